@@ -1,0 +1,523 @@
+//! The host ⇄ agent protocol, version 1.
+//!
+//! Transport: the agent dials a Unix stream socket that the host bind-mounts
+//! into the sandbox. It sends one [`Hello`] line (JSON, at most
+//! [`MAX_HANDSHAKE_BYTES`]) and reads one [`HelloReply`] line. After an `ok`
+//! reply the same connection carries HTTP/2, with the **agent as the server**
+//! and the host as the client, so the host can open many concurrent streams.
+//!
+//! Agent endpoints (all JSON unless said otherwise):
+//! - `GET  /v1/info` → [`AgentInfo`]
+//! - `GET  /v1/commands` → `Vec<`[`CommandInfo`]`>`: every command the agent still holds
+//! - `POST /v1/commands` with a [`SpawnRequest`] → [`SpawnReply`]. A program that cannot be
+//!   started is not a protocol error: the command ends at once with exit code 127 (not found) or
+//!   126 (not executable) and a message on its stderr.
+//! - `POST /v1/commands/{id}/attach?stdout=N&stderr=M` — full duplex. The response body is a
+//!   stream of agent frames ([`Frame::Stdout`], [`Frame::Stderr`], then one [`Frame::Exit`]),
+//!   starting at the given offsets; the request body is a stream of host frames
+//!   ([`Frame::Ack`], [`Frame::Stdin`], [`Frame::StdinEof`], [`Frame::Done`]).
+//! - `POST /v1/commands/{id}/signal` with a [`SignalRequest`]: signals the command's process group.
+//! - `DELETE /v1/commands/{id}`: forget an exited command (same as [`Frame::Done`]).
+//!
+//! Errors are `{"error":{"code","message"}}` ([`ErrorBody`]) with a 4xx/5xx status.
+//!
+//! Output is never dropped: the agent keeps every byte the host has not acknowledged
+//! (at most [`RETAIN_MAX_BYTES`] per stream; past that it stops reading the command's pipe,
+//! which blocks the writer exactly as a full pipe would). A reconnecting host resumes with
+//! `attach?stdout=N&stderr=M`, where N and M are what it has durably stored.
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use serde::{Deserialize, Serialize};
+
+/// Version of this protocol; sent in the handshake, a mismatch is refused.
+pub const PROTOCOL_VERSION: u32 = 1;
+/// Largest handshake line (either direction), newline included.
+pub const MAX_HANDSHAKE_BYTES: usize = 4096;
+/// Largest frame payload either side accepts.
+pub const MAX_FRAME_PAYLOAD: usize = 1 << 20;
+/// Largest data chunk the agent puts in one output frame.
+pub const MAX_DATA_CHUNK: usize = 64 * 1024;
+/// Unacknowledged output the agent keeps per stream before it stops reading the pipe.
+pub const RETAIN_MAX_BYTES: usize = 1 << 20;
+/// Largest JSON request body accepted by the agent.
+pub const MAX_JSON_BODY: usize = 1 << 20;
+/// Bounds on a spawn request.
+pub const MAX_ARGV: usize = 4096;
+pub const MAX_ENV: usize = 4096;
+pub const MAX_ARG_BYTES: usize = 256 * 1024;
+/// Length of a frame header: one type byte and a big-endian u32 length.
+pub const FRAME_HEADER_LEN: usize = 5;
+
+/// First line the agent sends after connecting.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Hello {
+    pub protocol: u32,
+    pub sandbox_id: String,
+    pub token: String,
+    pub agent_version: String,
+}
+
+/// The host's answer to [`Hello`].
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct HelloReply {
+    pub ok: bool,
+    pub protocol: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// `GET /v1/info`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct AgentInfo {
+    pub protocol: u32,
+    pub agent_version: String,
+    pub pid: u32,
+    pub commands: usize,
+}
+
+/// `POST /v1/commands`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct SpawnRequest {
+    /// Host-assigned command id (`cmd_…`); unique per sandbox.
+    pub id: String,
+    /// Program and arguments; `argv[0]` is looked up in `PATH` if it has no `/`.
+    pub argv: Vec<String>,
+    /// The complete environment of the command (the agent adds nothing).
+    pub env: Vec<(String, String)>,
+    /// Working directory; the user's home (or `/`) when absent.
+    #[serde(default)]
+    pub cwd: Option<String>,
+    /// `name`, `uid` or `uid:gid`; root when absent.
+    #[serde(default)]
+    pub user: Option<String>,
+    /// Kill the process group with SIGKILL after this long; no limit when absent or 0.
+    #[serde(default)]
+    pub timeout_ms: Option<u64>,
+    /// Give the command a stdin pipe fed by [`Frame::Stdin`]; `/dev/null` otherwise.
+    #[serde(default)]
+    pub stdin: bool,
+}
+
+/// Why a [`SpawnRequest`] is refused before anything is started.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum SpawnRequestError {
+    #[error("argv must not be empty")]
+    EmptyArgv,
+    #[error("too many arguments or environment variables")]
+    TooMany,
+    #[error("argument, variable or path too long")]
+    TooLong,
+    #[error("strings must not contain NUL bytes")]
+    Nul,
+    #[error("environment variable names must be non-empty and must not contain '='")]
+    BadEnvName,
+    #[error("command id must be 1-64 characters of [A-Za-z0-9_-]")]
+    BadId,
+}
+
+impl SpawnRequest {
+    /// Checks the bounds every spawn request must respect.
+    pub fn validate(&self) -> Result<(), SpawnRequestError> {
+        if !valid_id(&self.id) {
+            return Err(SpawnRequestError::BadId);
+        }
+        if self.argv.is_empty() || self.argv[0].is_empty() {
+            return Err(SpawnRequestError::EmptyArgv);
+        }
+        if self.argv.len() > MAX_ARGV || self.env.len() > MAX_ENV {
+            return Err(SpawnRequestError::TooMany);
+        }
+        let mut total = 0usize;
+        let strings = self
+            .argv
+            .iter()
+            .chain(self.env.iter().flat_map(|(k, v)| [k, v]))
+            .chain(self.cwd.iter())
+            .chain(self.user.iter());
+        for s in strings {
+            if s.as_bytes().contains(&0) {
+                return Err(SpawnRequestError::Nul);
+            }
+            total = total.saturating_add(s.len());
+        }
+        if total > MAX_JSON_BODY {
+            return Err(SpawnRequestError::TooLong);
+        }
+        if self.argv.iter().any(|a| a.len() > MAX_ARG_BYTES) {
+            return Err(SpawnRequestError::TooLong);
+        }
+        if self.env.iter().any(|(k, _)| k.is_empty() || k.contains('=')) {
+            return Err(SpawnRequestError::BadEnvName);
+        }
+        Ok(())
+    }
+}
+
+/// Whether `id` is an acceptable command or sandbox id on the wire.
+pub fn valid_id(id: &str) -> bool {
+    !id.is_empty()
+        && id.len() <= 64
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+}
+
+/// Answer to a successful spawn.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct SpawnReply {
+    /// Pid inside the sandbox; 0 when the program could not be started.
+    pub pid: u32,
+}
+
+/// `POST /v1/commands/{id}/signal`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct SignalRequest {
+    pub signal: i32,
+}
+
+/// One entry of `GET /v1/commands`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct CommandInfo {
+    pub id: String,
+    pub pid: u32,
+    /// `None` while the command runs.
+    pub exit: Option<ExitStatus>,
+    /// Lowest offset still retained per stream (what an attach may start from).
+    pub stdout_base: u64,
+    pub stderr_base: u64,
+    /// Bytes produced so far per stream.
+    pub stdout_end: u64,
+    pub stderr_end: u64,
+}
+
+/// How a command ended, as the agent saw it.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ExitStatus {
+    /// Exit code when it exited normally.
+    pub exit_code: Option<i32>,
+    /// Signal number when a signal ended it.
+    pub signal: Option<i32>,
+    /// The agent killed it because its timeout passed.
+    pub timed_out: bool,
+    /// From spawn to exit.
+    pub duration_ms: u64,
+    /// Set when the program could not be started.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// `{"error":{"code","message"}}`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ErrorBody {
+    pub error: ErrorDetail,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ErrorDetail {
+    pub code: String,
+    pub message: String,
+}
+
+impl ErrorBody {
+    pub fn new(code: impl Into<String>, message: impl Into<String>) -> Self {
+        ErrorBody {
+            error: ErrorDetail {
+                code: code.into(),
+                message: message.into(),
+            },
+        }
+    }
+}
+
+/// Which output stream a data frame belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Stream {
+    Stdout,
+    Stderr,
+}
+
+/// A frame inside an attach stream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Frame {
+    /// Agent → host: output bytes that start at `offset` of the stream.
+    Stdout { offset: u64, data: Bytes },
+    Stderr { offset: u64, data: Bytes },
+    /// Agent → host: the command ended and all of its output was sent.
+    Exit(ExitStatus),
+    /// Host → agent: everything below these offsets is stored; the agent may drop it.
+    Ack { stdout: u64, stderr: u64 },
+    /// Host → agent: bytes for the command's stdin.
+    Stdin(Bytes),
+    /// Host → agent: close the command's stdin.
+    StdinEof,
+    /// Host → agent: the result is stored; forget the command.
+    Done,
+}
+
+const T_STDOUT: u8 = 1;
+const T_STDERR: u8 = 2;
+const T_EXIT: u8 = 3;
+const T_ACK: u8 = 16;
+const T_STDIN: u8 = 17;
+const T_STDIN_EOF: u8 = 18;
+const T_DONE: u8 = 19;
+
+/// A frame that could not be decoded. The connection that sent it is not trusted further.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum FrameError {
+    #[error("unknown frame type {0}")]
+    UnknownType(u8),
+    #[error("frame payload of {0} bytes exceeds the limit")]
+    TooLarge(usize),
+    #[error("malformed frame of type {0}")]
+    Malformed(u8),
+}
+
+impl Frame {
+    /// Appends the encoded frame to `out`.
+    pub fn encode(&self, out: &mut BytesMut) {
+        match self {
+            Frame::Stdout { offset, data } | Frame::Stderr { offset, data } => {
+                let t = if matches!(self, Frame::Stdout { .. }) {
+                    T_STDOUT
+                } else {
+                    T_STDERR
+                };
+                header(out, t, 8 + data.len());
+                out.put_u64(*offset);
+                out.put_slice(data);
+            }
+            Frame::Exit(status) => {
+                // Serialising a plain struct cannot fail.
+                let json = serde_json::to_vec(status).unwrap_or_default();
+                header(out, T_EXIT, json.len());
+                out.put_slice(&json);
+            }
+            Frame::Ack { stdout, stderr } => {
+                header(out, T_ACK, 16);
+                out.put_u64(*stdout);
+                out.put_u64(*stderr);
+            }
+            Frame::Stdin(data) => {
+                header(out, T_STDIN, data.len());
+                out.put_slice(data);
+            }
+            Frame::StdinEof => header(out, T_STDIN_EOF, 0),
+            Frame::Done => header(out, T_DONE, 0),
+        }
+    }
+
+    /// The frame as one buffer.
+    pub fn to_bytes(&self) -> Bytes {
+        let mut out = BytesMut::new();
+        self.encode(&mut out);
+        out.freeze()
+    }
+}
+
+fn header(out: &mut BytesMut, t: u8, len: usize) {
+    out.reserve(FRAME_HEADER_LEN + len);
+    out.put_u8(t);
+    // Payloads are bounded by MAX_FRAME_PAYLOAD, far below u32::MAX.
+    out.put_u32(u32::try_from(len).unwrap_or(u32::MAX));
+}
+
+/// Incremental decoder: feed bytes with [`FrameDecoder::push`], take frames with
+/// [`FrameDecoder::next_frame`]. Never buffers more than one frame plus one chunk.
+#[derive(Debug, Default)]
+pub struct FrameDecoder {
+    buf: BytesMut,
+}
+
+impl FrameDecoder {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    pub fn push(&mut self, data: &[u8]) {
+        self.buf.extend_from_slice(data);
+    }
+
+    /// Bytes waiting that do not yet make a whole frame.
+    pub fn pending(&self) -> usize {
+        self.buf.len()
+    }
+
+    /// The next whole frame, `Ok(None)` when more bytes are needed.
+    pub fn next_frame(&mut self) -> Result<Option<Frame>, FrameError> {
+        if self.buf.len() < FRAME_HEADER_LEN {
+            return Ok(None);
+        }
+        let t = self.buf[0];
+        let len = u32::from_be_bytes([self.buf[1], self.buf[2], self.buf[3], self.buf[4]]) as usize;
+        if !matches!(
+            t,
+            T_STDOUT | T_STDERR | T_EXIT | T_ACK | T_STDIN | T_STDIN_EOF | T_DONE
+        ) {
+            return Err(FrameError::UnknownType(t));
+        }
+        if len > MAX_FRAME_PAYLOAD {
+            return Err(FrameError::TooLarge(len));
+        }
+        if self.buf.len() < FRAME_HEADER_LEN + len {
+            return Ok(None);
+        }
+        self.buf.advance(FRAME_HEADER_LEN);
+        let mut payload = self.buf.split_to(len).freeze();
+        let frame = match t {
+            T_STDOUT | T_STDERR => {
+                if payload.len() < 8 {
+                    return Err(FrameError::Malformed(t));
+                }
+                let offset = payload.get_u64();
+                if t == T_STDOUT {
+                    Frame::Stdout {
+                        offset,
+                        data: payload,
+                    }
+                } else {
+                    Frame::Stderr {
+                        offset,
+                        data: payload,
+                    }
+                }
+            }
+            T_EXIT => Frame::Exit(
+                serde_json::from_slice(&payload).map_err(|_| FrameError::Malformed(t))?,
+            ),
+            T_ACK => {
+                if payload.len() != 16 {
+                    return Err(FrameError::Malformed(t));
+                }
+                Frame::Ack {
+                    stdout: payload.get_u64(),
+                    stderr: payload.get_u64(),
+                }
+            }
+            T_STDIN => Frame::Stdin(payload),
+            T_STDIN_EOF | T_DONE if !payload.is_empty() => return Err(FrameError::Malformed(t)),
+            T_STDIN_EOF => Frame::StdinEof,
+            _ => Frame::Done,
+        };
+        Ok(Some(frame))
+    }
+}
+
+/// Reads one `\n`-terminated line of at most [`MAX_HANDSHAKE_BYTES`] without
+/// reading past it (the bytes after it belong to HTTP/2).
+pub async fn read_handshake_line<R>(r: &mut R) -> std::io::Result<Vec<u8>>
+where
+    R: tokio::io::AsyncRead + Unpin,
+{
+    use tokio::io::AsyncReadExt;
+    let mut line = Vec::with_capacity(256);
+    loop {
+        let b = r.read_u8().await?;
+        if b == b'\n' {
+            return Ok(line);
+        }
+        line.push(b);
+        if line.len() >= MAX_HANDSHAKE_BYTES {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                "handshake line too long",
+            ));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn roundtrip(f: Frame) {
+        let bytes = f.to_bytes();
+        let mut d = FrameDecoder::new();
+        // Feed one byte at a time: a decoder must cope with any split.
+        for (i, b) in bytes.iter().enumerate() {
+            d.push(&[*b]);
+            let got = d.next_frame().unwrap();
+            if i + 1 < bytes.len() {
+                assert_eq!(got, None);
+            } else {
+                assert_eq!(got, Some(f.clone()));
+            }
+        }
+    }
+
+    #[test]
+    fn frames_roundtrip() {
+        roundtrip(Frame::Stdout {
+            offset: 7,
+            data: Bytes::from_static(b"hello"),
+        });
+        roundtrip(Frame::Stderr {
+            offset: u64::MAX,
+            data: Bytes::new(),
+        });
+        roundtrip(Frame::Exit(ExitStatus {
+            exit_code: Some(3),
+            signal: None,
+            timed_out: false,
+            duration_ms: 12,
+            error: None,
+        }));
+        roundtrip(Frame::Ack {
+            stdout: 1,
+            stderr: 2,
+        });
+        roundtrip(Frame::Stdin(Bytes::from_static(b"x")));
+        roundtrip(Frame::StdinEof);
+        roundtrip(Frame::Done);
+    }
+
+    #[test]
+    fn hostile_frames_are_rejected() {
+        let mut d = FrameDecoder::new();
+        d.push(&[99, 0, 0, 0, 0]);
+        assert_eq!(d.next_frame(), Err(FrameError::UnknownType(99)));
+
+        let mut d = FrameDecoder::new();
+        d.push(&[T_STDOUT, 0xff, 0xff, 0xff, 0xff]);
+        assert!(matches!(d.next_frame(), Err(FrameError::TooLarge(_))));
+
+        let mut d = FrameDecoder::new();
+        d.push(&[T_STDOUT, 0, 0, 0, 3, 1, 2, 3]);
+        assert_eq!(d.next_frame(), Err(FrameError::Malformed(T_STDOUT)));
+
+        let mut d = FrameDecoder::new();
+        d.push(&[T_EXIT, 0, 0, 0, 2, b'{', b'x']);
+        assert_eq!(d.next_frame(), Err(FrameError::Malformed(T_EXIT)));
+
+        let mut d = FrameDecoder::new();
+        d.push(&[T_ACK, 0, 0, 0, 1, 0]);
+        assert_eq!(d.next_frame(), Err(FrameError::Malformed(T_ACK)));
+    }
+
+    #[test]
+    fn spawn_request_bounds() {
+        let ok = SpawnRequest {
+            id: "cmd_1".into(),
+            argv: vec!["true".into()],
+            env: vec![("A".into(), "b".into())],
+            cwd: None,
+            user: None,
+            timeout_ms: None,
+            stdin: false,
+        };
+        assert_eq!(ok.validate(), Ok(()));
+        let mut bad = ok.clone();
+        bad.argv.clear();
+        assert_eq!(bad.validate(), Err(SpawnRequestError::EmptyArgv));
+        let mut bad = ok.clone();
+        bad.argv.push("a\0b".into());
+        assert_eq!(bad.validate(), Err(SpawnRequestError::Nul));
+        let mut bad = ok.clone();
+        bad.env.push(("A=B".into(), "c".into()));
+        assert_eq!(bad.validate(), Err(SpawnRequestError::BadEnvName));
+        let mut bad = ok;
+        bad.id = "../x".into();
+        assert_eq!(bad.validate(), Err(SpawnRequestError::BadId));
+    }
+}

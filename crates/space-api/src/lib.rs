@@ -1,0 +1,313 @@
+//! Wire types of the space HTTP API, v1: request bodies (which reject unknown
+//! fields), resources as the server returns them, and the error envelope.
+//! Shared by the server, the CLI and the tests. Field names are fixed by
+//! `DESIGN.md` §2: add fields, rename none.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+/// `{"error":{"code","message"}}`, the body of every error response.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ErrorBody {
+    pub error: ApiError,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ApiError {
+    pub code: String,
+    pub message: String,
+}
+
+impl ApiError {
+    pub fn new(code: impl Into<String>, message: impl Into<String>) -> Self {
+        ApiError {
+            code: code.into(),
+            message: message.into(),
+        }
+    }
+}
+
+macro_rules! string_enum {
+    ($(#[$m:meta])* $name:ident { $($variant:ident => $s:literal),+ $(,)? }) => {
+        $(#[$m])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+        pub enum $name { $(#[serde(rename = $s)] $variant),+ }
+        impl $name {
+            pub const ALL: &'static [$name] = &[$($name::$variant),+];
+            pub fn as_str(self) -> &'static str { match self { $($name::$variant => $s),+ } }
+            pub fn parse(s: &str) -> Option<Self> { match s { $($s => Some($name::$variant),)+ _ => None } }
+        }
+        impl std::fmt::Display for $name {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result { f.write_str(self.as_str()) }
+        }
+    };
+}
+
+string_enum!(
+    /// Lifecycle state of a sandbox (`DESIGN.md` §1).
+    SandboxState {
+        Creating => "creating",
+        Running => "running",
+        Pausing => "pausing",
+        Paused => "paused",
+        Resuming => "resuming",
+        Suspending => "suspending",
+        Suspended => "suspended",
+        Destroying => "destroying",
+        Destroyed => "destroyed",
+        Failed => "failed",
+    }
+);
+
+string_enum!(
+    /// What an operation does.
+    OperationKind {
+        Create => "create",
+        Pause => "pause",
+        Resume => "resume",
+        Suspend => "suspend",
+        Destroy => "destroy",
+        Build => "build",
+    }
+);
+
+string_enum!(
+    /// Progress of an operation.
+    OperationStatus {
+        Pending => "pending",
+        Running => "running",
+        Succeeded => "succeeded",
+        Failed => "failed",
+        Cancelled => "cancelled",
+    }
+);
+
+string_enum!(
+    /// State of a command session.
+    CommandState {
+        Starting => "starting",
+        Running => "running",
+        Exited => "exited",
+        Killed => "killed",
+        TimedOut => "timed_out",
+        Lost => "lost",
+    }
+);
+
+impl SandboxState {
+    /// States a sandbox never leaves.
+    pub fn is_terminal(self) -> bool {
+        matches!(self, SandboxState::Destroyed)
+    }
+}
+
+impl OperationStatus {
+    pub fn is_terminal(self) -> bool {
+        matches!(
+            self,
+            OperationStatus::Succeeded | OperationStatus::Failed | OperationStatus::Cancelled
+        )
+    }
+}
+
+impl CommandState {
+    pub fn is_terminal(self) -> bool {
+        !matches!(self, CommandState::Starting | CommandState::Running)
+    }
+}
+
+/// Resources of a sandbox. In requests every field is optional; in responses all are set.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct Resources {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vcpus: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_mib: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk_mib: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pids: Option<u64>,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct NetworkSpec {
+    /// Only `none` (loopback inside the sandbox) exists today.
+    pub mode: String,
+}
+
+/// `POST /v1/sandboxes`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct CreateSandboxRequest {
+    pub template: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub runtime: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub env: Option<BTreeMap<String, String>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub labels: Option<BTreeMap<String, String>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resources: Option<Resources>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network: Option<NetworkSpec>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttl_seconds: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idle_timeout_seconds: Option<u64>,
+}
+
+/// A sandbox as the API returns it.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Sandbox {
+    pub id: String,
+    pub state: SandboxState,
+    pub template: String,
+    pub template_version: String,
+    pub runtime: String,
+    pub labels: BTreeMap<String, String>,
+    pub resources: Resources,
+    pub env: BTreeMap<String, String>,
+    pub network: NetworkSpec,
+    pub created_at: String,
+    pub updated_at: String,
+    pub expires_at: Option<String>,
+    /// Why the sandbox is `failed`.
+    pub failure_reason: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct SandboxList {
+    pub sandboxes: Vec<Sandbox>,
+}
+
+/// The progress of one asynchronous request.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Operation {
+    pub id: String,
+    pub kind: OperationKind,
+    pub status: OperationStatus,
+    pub sandbox_id: Option<String>,
+    pub error: Option<ApiError>,
+    /// A short human-readable line about what the operation is doing.
+    pub progress: Option<String>,
+    pub created_at: String,
+    pub updated_at: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct OperationList {
+    pub operations: Vec<Operation>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct PtySize {
+    pub rows: u16,
+    pub cols: u16,
+}
+
+/// `POST /v1/sandboxes/{id}/commands`: exactly one of `argv` and `shell`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct CreateCommandRequest {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub argv: Option<Vec<String>>,
+    /// Run through `/bin/sh -c`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shell: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub env: Option<BTreeMap<String, String>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cwd: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stdin: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pty: Option<PtySize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_seconds: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wait: Option<bool>,
+}
+
+/// How a command ended.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ProcessResult {
+    pub exit_code: Option<i32>,
+    pub signal: Option<i32>,
+    pub timed_out: bool,
+    pub oom_killed: bool,
+    pub duration_ms: u64,
+    pub stdout_bytes: u64,
+    pub stderr_bytes: u64,
+    pub output_truncated: bool,
+}
+
+/// A command session.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Command {
+    pub id: String,
+    pub sandbox_id: String,
+    pub state: CommandState,
+    pub argv: Vec<String>,
+    pub cwd: Option<String>,
+    pub user: Option<String>,
+    pub created_at: String,
+    pub ended_at: Option<String>,
+    /// `null` until the command ends.
+    pub result: Option<ProcessResult>,
+    /// Why the command is `lost`.
+    pub lost_reason: Option<String>,
+    /// Where to read the output (NDJSON).
+    pub output_url: String,
+    /// With `wait:true`: the output as text (lossy UTF-8, capped).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stdout: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stderr: Option<String>,
+    /// With `wait:true`: whether `stdout`/`stderr` were cut at the inline cap.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub inline_truncated: Option<bool>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct CommandList {
+    pub commands: Vec<Command>,
+}
+
+/// One line of the NDJSON output stream: raw bytes, base64 in `data`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct OutputChunk {
+    /// `stdout` or `stderr`.
+    pub stream: String,
+    /// Position of the first byte of `data` in the view that was asked for
+    /// (`stdout`, `stderr`, or both interleaved in arrival order).
+    pub offset: u64,
+    pub data: String,
+}
+
+/// The last line of a finished command's output stream.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct OutputEnd {
+    pub result: ProcessResult,
+    pub state: CommandState,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Template {
+    pub name: String,
+    pub ready: bool,
+    pub builtin: bool,
+    pub version: Option<String>,
+    pub size_bytes: Option<u64>,
+    pub created_at: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct TemplateList {
+    pub templates: Vec<Template>,
+}

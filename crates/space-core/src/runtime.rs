@@ -1,0 +1,79 @@
+//! The `Runtime` trait: what the service needs from an execution unit
+//! (gVisor today, microVMs next). A runtime boots an isolated Linux whose
+//! PID 1 is `space-agent` and gives the agent a way to dial the host's socket;
+//! everything else goes through the agent.
+
+use std::path::PathBuf;
+
+use async_trait::async_trait;
+
+/// What a runtime needs to boot one sandbox.
+#[derive(Debug, Clone)]
+pub struct SandboxSpec {
+    pub id: String,
+    /// The template's root filesystem; never written to.
+    pub rootfs: PathBuf,
+    /// A directory the runtime owns for this sandbox (bundle, writable layer, logs).
+    pub state_dir: PathBuf,
+    /// Host directory bind-mounted read-write at `/.space/run` (agent socket + token).
+    pub run_dir: PathBuf,
+    /// Host directory holding the `space-agent` binary, mounted read-only at `/.space/bin`.
+    pub agent_dir: PathBuf,
+    /// Environment of the agent process itself.
+    pub agent_env: Vec<(String, String)>,
+    pub vcpus: u32,
+    pub memory_mib: u64,
+    pub pids: u64,
+    pub hostname: String,
+}
+
+/// What a runtime reports about a sandbox it may or may not know.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RuntimeStatus {
+    Running,
+    Paused,
+    /// Known to the runtime but not running (crashed, exited).
+    Stopped,
+    /// Unknown to the runtime.
+    Missing,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum RuntimeError {
+    #[error("{tool} failed: {message}")]
+    Tool { tool: String, message: String },
+    #[error("runtime I/O failed while {context}")]
+    Io {
+        context: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{0}")]
+    Unsupported(String),
+}
+
+impl RuntimeError {
+    pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
+        RuntimeError::Io {
+            context: context.into(),
+            source,
+        }
+    }
+}
+
+/// One execution-unit driver. All methods are idempotent where that makes sense
+/// (`destroy` of something already gone succeeds).
+#[async_trait]
+pub trait Runtime: Send + Sync + 'static {
+    /// The name users pass as `runtime` (`gvisor`, `microvm`).
+    fn name(&self) -> &'static str;
+    /// Boots the sandbox; returns once its PID 1 has been started.
+    async fn create(&self, spec: &SandboxSpec) -> Result<(), RuntimeError>;
+    async fn pause(&self, id: &str) -> Result<(), RuntimeError>;
+    async fn resume(&self, id: &str) -> Result<(), RuntimeError>;
+    /// Stops everything of the sandbox and removes what the runtime made for it.
+    async fn destroy(&self, id: &str, state_dir: &std::path::Path) -> Result<(), RuntimeError>;
+    async fn status(&self, id: &str) -> Result<RuntimeStatus, RuntimeError>;
+    /// Ids of every sandbox the runtime knows about.
+    async fn list(&self) -> Result<Vec<String>, RuntimeError>;
+}

@@ -1,0 +1,449 @@
+//! space's durable state: sandboxes, operations and commands in SQLite (WAL).
+//!
+//! Each row keeps the API object as a JSON document plus the columns we query
+//! by. Every write is one transaction, so a crash leaves either the old or the
+//! new version of an object, never half of one.
+
+use std::path::Path;
+use std::sync::{Mutex, MutexGuard};
+
+use rusqlite::{params, Connection, OptionalExtension};
+use serde::{Deserialize, Serialize};
+use space_api::{Command, Operation, Sandbox};
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("database error")]
+    Sqlite(#[from] rusqlite::Error),
+    #[error("stored document is corrupt")]
+    Corrupt(#[from] serde_json::Error),
+    #[error("database schema version {0} is newer than this server understands")]
+    TooNew(i64),
+}
+
+/// A sandbox plus what only the server may see.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct SandboxRecord {
+    pub sandbox: Sandbox,
+    /// Secret the agent presents when it dials in.
+    pub agent_token: String,
+    /// The template root this sandbox runs on.
+    pub rootfs: String,
+    /// Environment from the template, applied under the sandbox's own env.
+    pub template_env: Vec<(String, String)>,
+    pub template_user: Option<String>,
+    pub template_workdir: Option<String>,
+}
+
+const MIGRATIONS: &[&str] = &[
+    // 1: initial schema.
+    "CREATE TABLE sandboxes (
+        id TEXT PRIMARY KEY,
+        state TEXT NOT NULL,
+        created_at TEXT NOT NULL,
+        doc TEXT NOT NULL
+    );
+    CREATE TABLE operations (
+        id TEXT PRIMARY KEY,
+        sandbox_id TEXT,
+        kind TEXT NOT NULL,
+        status TEXT NOT NULL,
+        created_at TEXT NOT NULL,
+        doc TEXT NOT NULL
+    );
+    CREATE INDEX operations_sandbox ON operations(sandbox_id);
+    CREATE INDEX operations_status ON operations(status);
+    CREATE TABLE commands (
+        id TEXT PRIMARY KEY,
+        sandbox_id TEXT NOT NULL,
+        state TEXT NOT NULL,
+        created_at TEXT NOT NULL,
+        doc TEXT NOT NULL
+    );
+    CREATE INDEX commands_sandbox ON commands(sandbox_id, created_at);
+    CREATE INDEX commands_state ON commands(state);",
+];
+
+/// The store. Cheap calls; hold no lock across an `.await`.
+pub struct Store {
+    conn: Mutex<Connection>,
+}
+
+impl Store {
+    /// Opens (creating if needed) the database at `path` and runs migrations.
+    pub fn open(path: &Path) -> Result<Store, StoreError> {
+        let conn = Connection::open(path)?;
+        Self::init(conn)
+    }
+
+    /// An in-memory store, for unit tests.
+    pub fn open_in_memory() -> Result<Store, StoreError> {
+        Self::init(Connection::open_in_memory()?)
+    }
+
+    fn init(mut conn: Connection) -> Result<Store, StoreError> {
+        conn.busy_timeout(std::time::Duration::from_secs(5))?;
+        // WAL + NORMAL: a committed transaction survives a killed process;
+        // only a power loss can take the last few.
+        conn.pragma_update(None, "journal_mode", "WAL")?;
+        conn.pragma_update(None, "synchronous", "NORMAL")?;
+        conn.pragma_update(None, "foreign_keys", "ON")?;
+        let version: i64 = conn.pragma_query_value(None, "user_version", |r| r.get(0))?;
+        let known = MIGRATIONS.len() as i64;
+        if version > known {
+            return Err(StoreError::TooNew(version));
+        }
+        for (i, sql) in MIGRATIONS.iter().enumerate().skip(version as usize) {
+            let tx = conn.transaction()?;
+            tx.execute_batch(sql)?;
+            tx.pragma_update(None, "user_version", (i + 1) as i64)?;
+            tx.commit()?;
+        }
+        Ok(Store {
+            conn: Mutex::new(conn),
+        })
+    }
+
+    fn conn(&self) -> MutexGuard<'_, Connection> {
+        // A panic while holding the lock cannot leave SQLite inconsistent
+        // (transactions roll back), so a poisoned lock is still usable.
+        self.conn.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    // ---- sandboxes ----
+
+    /// Inserts a new sandbox and the operation creating it, atomically.
+    pub fn insert_sandbox(&self, rec: &SandboxRecord, op: &Operation) -> Result<(), StoreError> {
+        let mut conn = self.conn();
+        let tx = conn.transaction()?;
+        tx.execute(
+            "INSERT INTO sandboxes (id, state, created_at, doc) VALUES (?1, ?2, ?3, ?4)",
+            params![
+                rec.sandbox.id,
+                rec.sandbox.state.as_str(),
+                rec.sandbox.created_at,
+                serde_json::to_string(rec)?
+            ],
+        )?;
+        insert_op(&tx, op)?;
+        tx.commit()?;
+        Ok(())
+    }
+
+    pub fn update_sandbox(&self, rec: &SandboxRecord) -> Result<(), StoreError> {
+        self.conn().execute(
+            "UPDATE sandboxes SET state = ?2, doc = ?3 WHERE id = ?1",
+            params![
+                rec.sandbox.id,
+                rec.sandbox.state.as_str(),
+                serde_json::to_string(rec)?
+            ],
+        )?;
+        Ok(())
+    }
+
+    /// Updates a sandbox and an operation in one transaction.
+    pub fn update_sandbox_and_op(
+        &self,
+        rec: &SandboxRecord,
+        op: &Operation,
+    ) -> Result<(), StoreError> {
+        let mut conn = self.conn();
+        let tx = conn.transaction()?;
+        tx.execute(
+            "UPDATE sandboxes SET state = ?2, doc = ?3 WHERE id = ?1",
+            params![
+                rec.sandbox.id,
+                rec.sandbox.state.as_str(),
+                serde_json::to_string(rec)?
+            ],
+        )?;
+        upsert_op(&tx, op)?;
+        tx.commit()?;
+        Ok(())
+    }
+
+    pub fn get_sandbox(&self, id: &str) -> Result<Option<SandboxRecord>, StoreError> {
+        let doc: Option<String> = self
+            .conn()
+            .query_row("SELECT doc FROM sandboxes WHERE id = ?1", [id], |r| r.get(0))
+            .optional()?;
+        Ok(doc.map(|d| serde_json::from_str(&d)).transpose()?)
+    }
+
+    /// Every sandbox, oldest first.
+    pub fn list_sandboxes(&self) -> Result<Vec<SandboxRecord>, StoreError> {
+        let conn = self.conn();
+        let mut stmt = conn.prepare("SELECT doc FROM sandboxes ORDER BY created_at, id")?;
+        let docs = stmt
+            .query_map([], |r| r.get::<_, String>(0))?
+            .collect::<Result<Vec<_>, _>>()?;
+        docs.iter()
+            .map(|d| serde_json::from_str(d).map_err(StoreError::from))
+            .collect()
+    }
+
+    // ---- operations ----
+
+    pub fn insert_operation(&self, op: &Operation) -> Result<(), StoreError> {
+        let conn = self.conn();
+        insert_op(&conn, op)
+    }
+
+    pub fn update_operation(&self, op: &Operation) -> Result<(), StoreError> {
+        let conn = self.conn();
+        upsert_op(&conn, op)
+    }
+
+    pub fn get_operation(&self, id: &str) -> Result<Option<Operation>, StoreError> {
+        let doc: Option<String> = self
+            .conn()
+            .query_row("SELECT doc FROM operations WHERE id = ?1", [id], |r| {
+                r.get(0)
+            })
+            .optional()?;
+        Ok(doc.map(|d| serde_json::from_str(&d)).transpose()?)
+    }
+
+    /// Operations newest first, optionally of one sandbox, at most `limit`.
+    pub fn list_operations(
+        &self,
+        sandbox_id: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<Operation>, StoreError> {
+        let conn = self.conn();
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let docs: Vec<String> = match sandbox_id {
+            Some(sb) => conn
+                .prepare(
+                    "SELECT doc FROM operations WHERE sandbox_id = ?1
+                     ORDER BY created_at DESC, id DESC LIMIT ?2",
+                )?
+                .query_map(params![sb, limit], |r| r.get(0))?
+                .collect::<Result<_, _>>()?,
+            None => conn
+                .prepare("SELECT doc FROM operations ORDER BY created_at DESC, id DESC LIMIT ?1")?
+                .query_map(params![limit], |r| r.get(0))?
+                .collect::<Result<_, _>>()?,
+        };
+        docs.iter()
+            .map(|d| serde_json::from_str(d).map_err(StoreError::from))
+            .collect()
+    }
+
+    /// Operations that have not ended, oldest first.
+    pub fn unfinished_operations(&self) -> Result<Vec<Operation>, StoreError> {
+        let conn = self.conn();
+        let docs: Vec<String> = conn
+            .prepare(
+                "SELECT doc FROM operations WHERE status IN ('pending', 'running')
+                 ORDER BY created_at, id",
+            )?
+            .query_map([], |r| r.get(0))?
+            .collect::<Result<_, _>>()?;
+        docs.iter()
+            .map(|d| serde_json::from_str(d).map_err(StoreError::from))
+            .collect()
+    }
+
+    // ---- commands ----
+
+    pub fn insert_command(&self, cmd: &Command) -> Result<(), StoreError> {
+        self.conn().execute(
+            "INSERT INTO commands (id, sandbox_id, state, created_at, doc) VALUES (?1, ?2, ?3, ?4, ?5)",
+            params![
+                cmd.id,
+                cmd.sandbox_id,
+                cmd.state.as_str(),
+                cmd.created_at,
+                serde_json::to_string(&stored_command(cmd))?
+            ],
+        )?;
+        Ok(())
+    }
+
+    pub fn update_command(&self, cmd: &Command) -> Result<(), StoreError> {
+        self.conn().execute(
+            "UPDATE commands SET state = ?2, doc = ?3 WHERE id = ?1",
+            params![
+                cmd.id,
+                cmd.state.as_str(),
+                serde_json::to_string(&stored_command(cmd))?
+            ],
+        )?;
+        Ok(())
+    }
+
+    pub fn get_command(&self, sandbox_id: &str, id: &str) -> Result<Option<Command>, StoreError> {
+        let doc: Option<String> = self
+            .conn()
+            .query_row(
+                "SELECT doc FROM commands WHERE id = ?1 AND sandbox_id = ?2",
+                [id, sandbox_id],
+                |r| r.get(0),
+            )
+            .optional()?;
+        Ok(doc.map(|d| serde_json::from_str(&d)).transpose()?)
+    }
+
+    /// Commands of a sandbox, oldest first.
+    pub fn list_commands(&self, sandbox_id: &str) -> Result<Vec<Command>, StoreError> {
+        let conn = self.conn();
+        let docs: Vec<String> = conn
+            .prepare("SELECT doc FROM commands WHERE sandbox_id = ?1 ORDER BY created_at, id")?
+            .query_map([sandbox_id], |r| r.get(0))?
+            .collect::<Result<_, _>>()?;
+        docs.iter()
+            .map(|d| serde_json::from_str(d).map_err(StoreError::from))
+            .collect()
+    }
+
+    /// Commands that have not ended, in any sandbox.
+    pub fn unfinished_commands(&self) -> Result<Vec<Command>, StoreError> {
+        let conn = self.conn();
+        let docs: Vec<String> = conn
+            .prepare(
+                "SELECT doc FROM commands WHERE state IN ('starting', 'running')
+                 ORDER BY created_at, id",
+            )?
+            .query_map([], |r| r.get(0))?
+            .collect::<Result<_, _>>()?;
+        docs.iter()
+            .map(|d| serde_json::from_str(d).map_err(StoreError::from))
+            .collect()
+    }
+}
+
+/// Inline output is a view of the output files, never stored.
+fn stored_command(cmd: &Command) -> Command {
+    Command {
+        stdout: None,
+        stderr: None,
+        inline_truncated: None,
+        ..cmd.clone()
+    }
+}
+
+fn insert_op(conn: &Connection, op: &Operation) -> Result<(), StoreError> {
+    conn.execute(
+        "INSERT INTO operations (id, sandbox_id, kind, status, created_at, doc)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+        params![
+            op.id,
+            op.sandbox_id,
+            op.kind.as_str(),
+            op.status.as_str(),
+            op.created_at,
+            serde_json::to_string(op)?
+        ],
+    )?;
+    Ok(())
+}
+
+fn upsert_op(conn: &Connection, op: &Operation) -> Result<(), StoreError> {
+    conn.execute(
+        "INSERT INTO operations (id, sandbox_id, kind, status, created_at, doc)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6)
+         ON CONFLICT(id) DO UPDATE SET status = excluded.status, doc = excluded.doc",
+        params![
+            op.id,
+            op.sandbox_id,
+            op.kind.as_str(),
+            op.status.as_str(),
+            op.created_at,
+            serde_json::to_string(op)?
+        ],
+    )?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use space_api::*;
+
+    fn sandbox(id: &str) -> SandboxRecord {
+        SandboxRecord {
+            sandbox: Sandbox {
+                id: id.into(),
+                state: SandboxState::Creating,
+                template: "busybox".into(),
+                template_version: "1".into(),
+                runtime: "gvisor".into(),
+                labels: Default::default(),
+                resources: Resources::default(),
+                env: Default::default(),
+                network: NetworkSpec {
+                    mode: "none".into(),
+                },
+                created_at: space_core::now_rfc3339(),
+                updated_at: space_core::now_rfc3339(),
+                expires_at: None,
+                failure_reason: None,
+            },
+            agent_token: "t".into(),
+            rootfs: "/x".into(),
+            template_env: vec![],
+            template_user: None,
+            template_workdir: None,
+        }
+    }
+
+    fn op(id: &str, sb: &str) -> Operation {
+        Operation {
+            id: id.into(),
+            kind: OperationKind::Create,
+            status: OperationStatus::Pending,
+            sandbox_id: Some(sb.into()),
+            error: None,
+            progress: None,
+            created_at: space_core::now_rfc3339(),
+            updated_at: space_core::now_rfc3339(),
+        }
+    }
+
+    #[test]
+    fn sandbox_and_operation_roundtrip() {
+        let s = Store::open_in_memory().unwrap();
+        let mut rec = sandbox("sb_1");
+        let mut o = op("op_1", "sb_1");
+        s.insert_sandbox(&rec, &o).unwrap();
+        assert_eq!(s.get_sandbox("sb_1").unwrap(), Some(rec.clone()));
+        assert_eq!(s.unfinished_operations().unwrap(), vec![o.clone()]);
+        rec.sandbox.state = SandboxState::Running;
+        o.status = OperationStatus::Succeeded;
+        s.update_sandbox_and_op(&rec, &o).unwrap();
+        assert_eq!(
+            s.get_sandbox("sb_1").unwrap().unwrap().sandbox.state,
+            SandboxState::Running
+        );
+        assert!(s.unfinished_operations().unwrap().is_empty());
+        assert_eq!(s.list_operations(Some("sb_1"), 10).unwrap(), vec![o]);
+        assert!(s.get_sandbox("sb_2").unwrap().is_none());
+    }
+
+    #[test]
+    fn duplicate_sandbox_is_rejected_atomically() {
+        let s = Store::open_in_memory().unwrap();
+        s.insert_sandbox(&sandbox("sb_1"), &op("op_1", "sb_1"))
+            .unwrap();
+        assert!(s
+            .insert_sandbox(&sandbox("sb_1"), &op("op_2", "sb_1"))
+            .is_err());
+        // The operation of the failed insert was rolled back with it.
+        assert!(s.get_operation("op_2").unwrap().is_none());
+    }
+
+    #[test]
+    fn reopen_keeps_data_and_schema() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("space.db");
+        {
+            let s = Store::open(&path).unwrap();
+            s.insert_sandbox(&sandbox("sb_1"), &op("op_1", "sb_1"))
+                .unwrap();
+        }
+        let s = Store::open(&path).unwrap();
+        assert_eq!(s.list_sandboxes().unwrap().len(), 1);
+    }
+}
