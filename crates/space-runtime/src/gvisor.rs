@@ -1,0 +1,372 @@
+//! The gVisor driver: one OCI bundle per sandbox, run by `runsc` with the
+//! `systrap` platform, no network, and the template's root under a writable
+//! overlay whose upper layer lives in the sandbox's own state directory (the
+//! template directory is never written).
+//!
+//! The container's PID 1 is `space-agent`, bind-mounted read-only from the
+//! host; the per-sandbox run directory (agent socket + token) is bind-mounted
+//! read-write, and `--host-uds=open` lets the agent dial the host's socket.
+
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use serde_json::json;
+use space_core::runtime::{Runtime, RuntimeError, RuntimeStatus, SandboxSpec};
+use tokio::process::Command;
+
+/// Where the agent binary's directory is mounted inside the sandbox.
+pub const AGENT_DIR_IN_SANDBOX: &str = "/.space/bin";
+/// Where the per-sandbox run directory is mounted inside the sandbox.
+pub const RUN_DIR_IN_SANDBOX: &str = "/.space/run";
+/// cgroup parent of every sandbox.
+const CGROUP_PARENT: &str = "space";
+
+/// The `gvisor` runtime.
+#[derive(Debug, Clone)]
+pub struct GvisorRuntime {
+    runsc: PathBuf,
+    /// `runsc --root`: runsc's own state for every container of this server.
+    state_root: PathBuf,
+    platform: String,
+}
+
+impl GvisorRuntime {
+    pub fn new(runsc: PathBuf, state_root: PathBuf, platform: String) -> Self {
+        GvisorRuntime {
+            runsc,
+            state_root,
+            platform,
+        }
+    }
+
+    /// `runsc --root`, for tests and tools that want to look.
+    pub fn state_root(&self) -> &Path {
+        &self.state_root
+    }
+
+    fn command(&self, args: &[&str]) -> Command {
+        let mut cmd = Command::new(&self.runsc);
+        cmd.arg("--root").arg(&self.state_root);
+        cmd.args(args);
+        cmd.stdin(Stdio::null());
+        cmd.kill_on_drop(false);
+        cmd
+    }
+
+    /// Runs a short runsc subcommand and returns its stdout.
+    async fn run(&self, args: &[&str]) -> Result<Vec<u8>, RuntimeError> {
+        let out = self
+            .command(args)
+            .output()
+            .await
+            .map_err(|e| RuntimeError::io(format!("running {}", self.runsc.display()), e))?;
+        if out.status.success() {
+            Ok(out.stdout)
+        } else {
+            Err(RuntimeError::Tool {
+                tool: format!("runsc {}", args.first().copied().unwrap_or_default()),
+                message: tail_text(&out.stderr, 1000),
+            })
+        }
+    }
+
+    /// The OCI runtime spec of a sandbox.
+    fn oci_spec(&self, spec: &SandboxSpec) -> serde_json::Value {
+        let caps = [
+            "CAP_CHOWN",
+            "CAP_DAC_OVERRIDE",
+            "CAP_FSETID",
+            "CAP_FOWNER",
+            "CAP_MKNOD",
+            "CAP_NET_RAW",
+            "CAP_SETGID",
+            "CAP_SETUID",
+            "CAP_SETFCAP",
+            "CAP_SETPCAP",
+            "CAP_NET_BIND_SERVICE",
+            "CAP_SYS_CHROOT",
+            "CAP_KILL",
+            "CAP_AUDIT_WRITE",
+        ];
+        let env: Vec<String> = spec
+            .agent_env
+            .iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect();
+        let mut resources = serde_json::Map::new();
+        if spec.vcpus > 0 {
+            resources.insert(
+                "cpu".into(),
+                json!({"quota": i64::from(spec.vcpus) * 100_000, "period": 100_000}),
+            );
+        }
+        if spec.memory_mib > 0 {
+            let bytes = spec.memory_mib.saturating_mul(1 << 20);
+            resources.insert("memory".into(), json!({"limit": bytes}));
+        }
+        if spec.pids > 0 {
+            resources.insert("pids".into(), json!({"limit": spec.pids}));
+        }
+        json!({
+            "ociVersion": "1.0.2",
+            "process": {
+                "terminal": false,
+                "user": {"uid": 0, "gid": 0},
+                "args": [format!("{AGENT_DIR_IN_SANDBOX}/space-agent")],
+                "env": env,
+                "cwd": "/",
+                "capabilities": {
+                    "bounding": caps, "effective": caps, "permitted": caps,
+                },
+                "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 1_048_576, "soft": 1_048_576}],
+                "noNewPrivileges": false
+            },
+            "root": {"path": spec.rootfs, "readonly": false},
+            "hostname": spec.hostname,
+            "mounts": [
+                {"destination": "/proc", "type": "proc", "source": "proc"},
+                {"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
+                 "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]},
+                {"destination": "/dev/pts", "type": "devpts", "source": "devpts",
+                 "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"]},
+                {"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
+                 "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]},
+                {"destination": "/sys", "type": "sysfs", "source": "sysfs",
+                 "options": ["nosuid", "noexec", "nodev", "ro"]},
+                {"destination": AGENT_DIR_IN_SANDBOX, "type": "bind",
+                 "source": spec.agent_dir, "options": ["rbind", "ro"]},
+                {"destination": RUN_DIR_IN_SANDBOX, "type": "bind",
+                 "source": spec.run_dir, "options": ["rbind", "rw"]}
+            ],
+            "linux": {
+                "namespaces": [
+                    {"type": "pid"}, {"type": "network"}, {"type": "ipc"},
+                    {"type": "uts"}, {"type": "mount"}
+                ],
+                "resources": resources,
+                "cgroupsPath": format!("/{CGROUP_PARENT}/{}", spec.id),
+            }
+        })
+    }
+
+    /// Removes what runsc may leave behind after `delete`: cgroup directories.
+    fn remove_cgroups(id: &str) {
+        let Ok(controllers) = std::fs::read_dir("/sys/fs/cgroup") else {
+            return;
+        };
+        for c in controllers.flatten() {
+            let dir = c.path().join(CGROUP_PARENT).join(id);
+            if dir.exists() {
+                let _ = std::fs::remove_dir(&dir);
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl Runtime for GvisorRuntime {
+    fn name(&self) -> &'static str {
+        "gvisor"
+    }
+
+    async fn create(&self, spec: &SandboxSpec) -> Result<(), RuntimeError> {
+        let bundle = spec.state_dir.join("bundle");
+        let overlay = spec.state_dir.join("overlay");
+        for dir in [&bundle, &overlay, &self.state_root] {
+            tokio::fs::create_dir_all(dir)
+                .await
+                .map_err(|e| RuntimeError::io(format!("creating {}", dir.display()), e))?;
+        }
+        let config = serde_json::to_vec_pretty(&self.oci_spec(spec)).unwrap_or_default();
+        tokio::fs::write(bundle.join("config.json"), config)
+            .await
+            .map_err(|e| RuntimeError::io("writing the OCI spec", e))?;
+
+        // The sandbox inherits create's stdio as the agent's stdout/stderr:
+        // a file, never a pipe (a pipe would keep `create` from ever finishing).
+        let console_path = spec.state_dir.join("console.log");
+        let console = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&console_path)
+            .map_err(|e| RuntimeError::io("opening the console log", e))?;
+        let console_err = console
+            .try_clone()
+            .map_err(|e| RuntimeError::io("opening the console log", e))?;
+        let overlay_flag = format!("root:dir={}", overlay.display());
+        let mut cmd = Command::new(&self.runsc);
+        let args: Vec<OsString> = vec![
+            "--root".into(),
+            self.state_root.clone().into(),
+            format!("--platform={}", self.platform).into(),
+            "--network=none".into(),
+            "--host-uds=open".into(),
+            format!("--overlay2={overlay_flag}").into(),
+            "--cpu-num-from-quota".into(),
+            "create".into(),
+            "--bundle".into(),
+            bundle.clone().into(),
+            spec.id.clone().into(),
+        ];
+        cmd.args(&args)
+            .stdin(Stdio::null())
+            .stdout(console)
+            .stderr(console_err)
+            // Its own process group: a signal to the server's group must not reach sandboxes.
+            .process_group(0);
+        let status = cmd
+            .status()
+            .await
+            .map_err(|e| RuntimeError::io(format!("running {}", self.runsc.display()), e))?;
+        if !status.success() {
+            let log = std::fs::read(&console_path).unwrap_or_default();
+            return Err(RuntimeError::Tool {
+                tool: "runsc create".into(),
+                message: tail_text(&log, 1000),
+            });
+        }
+        self.run(&["start", &spec.id]).await?;
+        Ok(())
+    }
+
+    async fn pause(&self, id: &str) -> Result<(), RuntimeError> {
+        self.run(&["pause", id]).await.map(|_| ())
+    }
+
+    async fn resume(&self, id: &str) -> Result<(), RuntimeError> {
+        self.run(&["resume", id]).await.map(|_| ())
+    }
+
+    async fn destroy(&self, id: &str, state_dir: &Path) -> Result<(), RuntimeError> {
+        if self.status(id).await? != RuntimeStatus::Missing {
+            // Either may fail when the container is already half gone; delete --force is what counts.
+            let _ = self.run(&["kill", "--all", id, "KILL"]).await;
+            if let Err(e) = self.run(&["delete", "--force", id]).await {
+                if self.status(id).await? != RuntimeStatus::Missing {
+                    return Err(e);
+                }
+            }
+        }
+        wait_for_processes_gone(&[id, &state_dir.to_string_lossy()]).await?;
+        Self::remove_cgroups(id);
+        match tokio::fs::remove_dir_all(state_dir).await {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(RuntimeError::io(
+                format!("removing {}", state_dir.display()),
+                e,
+            )),
+        }
+    }
+
+    async fn status(&self, id: &str) -> Result<RuntimeStatus, RuntimeError> {
+        let out = self
+            .command(&["state", id])
+            .output()
+            .await
+            .map_err(|e| RuntimeError::io("running runsc state", e))?;
+        if !out.status.success() {
+            let err = String::from_utf8_lossy(&out.stderr);
+            if err.contains("does not exist") || err.contains("not found") {
+                return Ok(RuntimeStatus::Missing);
+            }
+            return Err(RuntimeError::Tool {
+                tool: "runsc state".into(),
+                message: tail_text(&out.stderr, 1000),
+            });
+        }
+        let state: serde_json::Value =
+            serde_json::from_slice(&out.stdout).map_err(|e| RuntimeError::Tool {
+                tool: "runsc state".into(),
+                message: format!("unreadable output: {e}"),
+            })?;
+        Ok(match state.get("status").and_then(|s| s.as_str()) {
+            Some("running") => RuntimeStatus::Running,
+            Some("paused") => RuntimeStatus::Paused,
+            _ => RuntimeStatus::Stopped,
+        })
+    }
+
+    async fn list(&self) -> Result<Vec<String>, RuntimeError> {
+        if !self.state_root.exists() {
+            return Ok(Vec::new());
+        }
+        let out = self.run(&["list", "--format=json"]).await?;
+        let list: serde_json::Value =
+            serde_json::from_slice(&out).map_err(|e| RuntimeError::Tool {
+                tool: "runsc list".into(),
+                message: format!("unreadable output: {e}"),
+            })?;
+        Ok(list
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|c| c.get("id").and_then(|i| i.as_str()).map(str::to_owned))
+                    .collect()
+            })
+            .unwrap_or_default())
+    }
+}
+
+/// Pids of processes whose command line contains any of `needles`.
+pub fn processes_matching(needles: &[&str]) -> Vec<i32> {
+    let mut pids = Vec::new();
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return pids;
+    };
+    let me = std::process::id() as i32;
+    for e in entries.flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
+            continue;
+        };
+        if pid == me {
+            continue;
+        }
+        let Ok(cmdline) = std::fs::read(e.path().join("cmdline")) else {
+            continue;
+        };
+        let cmdline = String::from_utf8_lossy(&cmdline);
+        if needles.iter().any(|n| !n.is_empty() && cmdline.contains(n)) {
+            pids.push(pid);
+        }
+    }
+    pids
+}
+
+/// Waits until no process mentions the sandbox any more; SIGKILLs stragglers
+/// after a grace period. The waits back off from 5 ms to 100 ms.
+async fn wait_for_processes_gone(needles: &[&str]) -> Result<(), RuntimeError> {
+    let mut delay = Duration::from_millis(5);
+    let start = std::time::Instant::now();
+    let mut killed = false;
+    loop {
+        let pids = processes_matching(needles);
+        if pids.is_empty() {
+            return Ok(());
+        }
+        if start.elapsed() > Duration::from_secs(3) && !killed {
+            for pid in &pids {
+                // SAFETY: plain syscall on a pid we just read; a stale pid at worst gets ESRCH.
+                unsafe { libc::kill(*pid, libc::SIGKILL) };
+            }
+            killed = true;
+        }
+        if start.elapsed() > Duration::from_secs(10) {
+            return Err(RuntimeError::Tool {
+                tool: "runsc delete".into(),
+                message: format!("processes {pids:?} of the sandbox did not exit"),
+            });
+        }
+        tokio::time::sleep(delay).await;
+        delay = (delay * 2).min(Duration::from_millis(100));
+    }
+}
+
+/// The last `max` bytes of a tool's output as trimmed text.
+fn tail_text(bytes: &[u8], max: usize) -> String {
+    let start = bytes.len().saturating_sub(max);
+    String::from_utf8_lossy(&bytes[start..]).trim().to_string()
+}

@@ -1,0 +1,4 @@
+//! Runtime drivers for space sandboxes and the template store on disk.
+
+pub mod gvisor;
+pub mod template;

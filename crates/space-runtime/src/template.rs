@@ -1,0 +1,1197 @@
+//! The template store: read-only root filesystems on local disk that sandboxes use as their lower layer.
+//!
+//! Layout under the store root:
+//!
+//! ```text
+//! <root>/<name>/rootfs/          the root filesystem (never written after the build)
+//! <root>/<name>/template.json    metadata; its presence means the template is ready
+//! <root>/.<name>.lock            flock(2) held while <name> is being built
+//! <root>/.build-<name>-<hex>/    a build in progress (or a crashed one, removed by the next build)
+//! ```
+//!
+//! A build happens entirely inside a private `.build-…` directory, which is renamed into place only
+//! after its metadata and contents are on disk. A reader therefore sees either no template or a
+//! complete one, and two processes sharing a root serialise their builds on the lock file.
+//!
+//! Every template contains the empty mount points the container runtime needs (`/.space`,
+//! `/.space/bin`, `/.space/run`, `/proc`, `/dev`, `/sys`, `/tmp`, `/run`), so the runtime never
+//! has to create anything inside a template.
+
+use std::collections::HashSet;
+use std::ffi::OsStr;
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Write};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncBufReadExt, BufReader};
+
+/// Bumped whenever a built-in recipe changes, so stored templates are told apart from new ones.
+const RECIPE_VERSION: &str = "1";
+const METADATA_FILE: &str = "template.json";
+const ROOTFS_DIR: &str = "rootfs";
+const BUILD_PREFIX: &str = ".build-";
+/// Hex digits in the random suffix of a build directory.
+const BUILD_SUFFIX_LEN: usize = 16;
+
+const HOST_BUSYBOX: &str = "/bin/busybox";
+const DEBIAN_SUITE: &str = "bookworm";
+const DEBIAN_MIRROR: &str = "http://deb.debian.org/debian";
+const DEBIAN_PACKAGES: &str = "bash,python3,coreutils,procps,git,curl,ca-certificates";
+/// An mmdebstrap run that has not finished by then is stuck (usually on the network).
+const DEBIAN_BUILD_TIMEOUT: Duration = Duration::from_secs(20 * 60);
+/// Lines of tool output kept for the error message of a failed build.
+const OUTPUT_TAIL_LINES: usize = 20;
+/// Tool output is passed to `progress` at most this often.
+const PROGRESS_INTERVAL: Duration = Duration::from_millis(500);
+
+const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+
+const USER_NAME: &str = "user";
+const USER_ID: u32 = 1000;
+const USER_HOME: &str = "home/user";
+
+/// Busybox applets the platform itself relies on; a build without one of them fails.
+const REQUIRED_APPLETS: &[&str] = &[
+    "sh", "env", "sleep", "cat", "head", "true", "id", "ls", "mkdir", "kill", "ps",
+];
+
+/// Directories (relative to the rootfs) with their modes that every template has.
+const MOUNT_POINTS: &[(&str, u32)] = &[
+    (".space", 0o755),
+    (".space/bin", 0o755),
+    (".space/run", 0o755),
+    ("proc", 0o755),
+    ("dev", 0o755),
+    ("sys", 0o755),
+    ("tmp", 0o1777),
+    ("run", 0o755),
+];
+
+/// What went wrong in the template store.
+#[derive(Debug, thiserror::Error)]
+pub enum TemplateError {
+    #[error("unknown template {0:?}")]
+    UnknownTemplate(String),
+    #[error(
+        "invalid template name {0:?}: use 1 to 63 of a-z, 0-9, '.', '_' and '-', starting with a letter or digit"
+    )]
+    InvalidName(String),
+    #[error("building template {name} failed: {message}")]
+    Build { name: String, message: String },
+    #[error("template {name} has unreadable metadata in {}", path.display())]
+    Metadata {
+        name: String,
+        path: PathBuf,
+        #[source]
+        source: serde_json::Error,
+    },
+    #[error("cannot {action} {}", path.display())]
+    Fs {
+        action: &'static str,
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("template store I/O failed")]
+    Io(#[from] io::Error),
+}
+
+/// A ready template: a root filesystem directory and how to run processes in it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Template {
+    pub name: String,
+    /// `<recipe version>-<content id>`; fixed once the template is built.
+    pub version: String,
+    /// Absolute path of the root filesystem: `<root>/<name>/rootfs`.
+    pub rootfs: PathBuf,
+    pub env: Vec<(String, String)>,
+    /// Working directory of new processes; `None` means the home directory of `user`.
+    pub workdir: Option<String>,
+    /// User new processes run as; `None` means root.
+    pub user: Option<String>,
+    /// Disk usage of the rootfs (like `du`), measured at build time.
+    pub size_bytes: u64,
+    /// When the build finished, RFC 3339 UTC.
+    pub created_at: String,
+}
+
+/// One entry of [`TemplateStore::list`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TemplateInfo {
+    pub name: String,
+    pub ready: bool,
+    pub builtin: bool,
+    pub template: Option<Template>,
+}
+
+/// Templates on local disk under one root directory; see the module documentation for the layout.
+#[derive(Debug, Clone)]
+pub struct TemplateStore {
+    root: PathBuf,
+}
+
+impl TemplateStore {
+    /// Templates this store knows how to build.
+    pub const BUILTIN: &'static [&'static str] = &["busybox", "debian"];
+
+    /// Opens the store at `root`, creating the directory if needed.
+    pub fn new(root: impl Into<PathBuf>) -> Result<Self, TemplateError> {
+        let root = root.into();
+        fs::create_dir_all(&root).at("create", &root)?;
+        let root = fs::canonicalize(&root).at("resolve", &root)?;
+        Ok(Self { root })
+    }
+
+    /// The (absolute) root directory of the store.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// The ready template `name`, `None` if it is built-in but not built yet.
+    pub fn get(&self, name: &str) -> Result<Option<Template>, TemplateError> {
+        validate_name(name)?;
+        match self.load(name)? {
+            Some(template) => Ok(Some(template)),
+            None if is_builtin(name) => Ok(None),
+            None => Err(TemplateError::UnknownTemplate(name.to_owned())),
+        }
+    }
+
+    /// Every built-in template (built or not) and every other ready template on disk, sorted by name.
+    pub fn list(&self) -> Result<Vec<TemplateInfo>, TemplateError> {
+        let mut names: Vec<String> = Self::BUILTIN.iter().map(|n| (*n).to_owned()).collect();
+        for entry in fs::read_dir(&self.root).at("list", &self.root)? {
+            let entry = entry.at("list", &self.root)?;
+            let Some(name) = entry.file_name().to_str().map(str::to_owned) else {
+                continue;
+            };
+            if validate_name(&name).is_ok()
+                && !is_builtin(&name)
+                && entry.path().join(METADATA_FILE).exists()
+            {
+                names.push(name);
+            }
+        }
+        names.sort();
+        let mut infos = Vec::with_capacity(names.len());
+        for name in names {
+            let template = match self.load(&name) {
+                Ok(t) => t,
+                // One damaged template must not hide the others; `ensure` rebuilds a damaged built-in.
+                Err(e) => {
+                    tracing::warn!(template = %name, error = %ErrorChain(&e), "skipping unreadable template");
+                    None
+                }
+            };
+            let builtin = is_builtin(&name);
+            if template.is_none() && !builtin {
+                continue;
+            }
+            infos.push(TemplateInfo {
+                ready: template.is_some(),
+                builtin,
+                template,
+                name,
+            });
+        }
+        Ok(infos)
+    }
+
+    /// The ready template `name`, building it first if it is a built-in that is not built yet.
+    ///
+    /// Builds are serialised per name across threads and processes by an flock on
+    /// `<root>/.<name>.lock`; a caller that finds a build in progress waits for it and returns its
+    /// result. `progress` receives short human-readable lines while building or waiting.
+    pub async fn ensure(
+        &self,
+        name: &str,
+        progress: &(dyn Fn(String) + Send + Sync),
+    ) -> Result<Template, TemplateError> {
+        validate_name(name)?;
+        match self.load(name) {
+            Ok(Some(template)) => return Ok(template),
+            Ok(None) if !is_builtin(name) => {
+                return Err(TemplateError::UnknownTemplate(name.to_owned()))
+            }
+            Ok(None) => {}
+            Err(e) if is_builtin(name) => {
+                tracing::warn!(template = name, error = %ErrorChain(&e), "rebuilding template with unreadable metadata");
+            }
+            Err(e) => return Err(e),
+        }
+
+        let lock = match BuildLock::try_acquire(&self.root, name)? {
+            Some(lock) => lock,
+            None => {
+                progress(format!("waiting for another build of {name} to finish"));
+                BuildLock::acquire(&self.root, name).await?
+            }
+        };
+
+        // Whoever held the lock before us may have finished the job.
+        match self.load(name) {
+            Ok(Some(template)) => return Ok(template),
+            Ok(None) => {}
+            Err(e) => {
+                tracing::warn!(template = name, error = %ErrorChain(&e), "rebuilding template with unreadable metadata")
+            }
+        }
+
+        let started = Instant::now();
+        let template = self.build(name, progress).await?;
+        tracing::info!(
+            template = name,
+            version = %template.version,
+            size_bytes = template.size_bytes,
+            elapsed_ms = started.elapsed().as_millis() as u64,
+            "template built"
+        );
+        progress(format!(
+            "built {name} {} ({} MB) in {:.1}s",
+            template.version,
+            template.size_bytes / 1_000_000,
+            started.elapsed().as_secs_f64()
+        ));
+        drop(lock);
+        Ok(template)
+    }
+
+    /// Reads `<root>/<name>/template.json`; `None` if it does not exist.
+    fn load(&self, name: &str) -> Result<Option<Template>, TemplateError> {
+        let path = self.root.join(name).join(METADATA_FILE);
+        let bytes = match fs::read(&path) {
+            Ok(bytes) => bytes,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(e).at("read", &path),
+        };
+        let mut template: Template =
+            serde_json::from_slice(&bytes).map_err(|source| TemplateError::Metadata {
+                name: name.to_owned(),
+                path: path.clone(),
+                source,
+            })?;
+        // The directory is the truth: the store root may have moved since the build.
+        template.name = name.to_owned();
+        template.rootfs = self.root.join(name).join(ROOTFS_DIR);
+        Ok(Some(template))
+    }
+
+    /// Builds built-in `name`. The caller holds its build lock.
+    async fn build(
+        &self,
+        name: &str,
+        progress: &(dyn Fn(String) + Send + Sync),
+    ) -> Result<Template, TemplateError> {
+        let root = self.root.clone();
+        let owned = name.to_owned();
+        let build_dir = blocking(name, move || prepare_build_dir(&root, &owned)).await?;
+
+        let result = self.build_in(name, &build_dir, progress).await;
+        if result.is_err() {
+            let dir = build_dir.clone();
+            let cleanup = tokio::task::spawn_blocking(move || remove_tree(&dir)).await;
+            if let Ok(Err(e)) = cleanup {
+                tracing::warn!(template = name, error = %ErrorChain(&e), "cannot remove failed build");
+            }
+        }
+        result
+    }
+
+    async fn build_in(
+        &self,
+        name: &str,
+        build_dir: &Path,
+        progress: &(dyn Fn(String) + Send + Sync),
+    ) -> Result<Template, TemplateError> {
+        let rootfs = build_dir.join(ROOTFS_DIR);
+        let (env, workdir, user) = match name {
+            "busybox" => {
+                progress("building busybox from the host's static busybox".to_owned());
+                let rootfs = rootfs.clone();
+                blocking(name, move || build_busybox(&rootfs)).await?;
+                (
+                    vec![("PATH".to_owned(), DEFAULT_PATH.to_owned())],
+                    None,
+                    None,
+                )
+            }
+            "debian" => {
+                progress(format!(
+                    "building debian with mmdebstrap ({DEBIAN_SUITE}, {DEBIAN_PACKAGES})"
+                ));
+                run_mmdebstrap(name, &rootfs, progress).await?;
+                progress("finishing debian: adding user, cleaning caches".to_owned());
+                let rootfs = rootfs.clone();
+                blocking(name, move || finish_debian(&rootfs)).await?;
+                let env = vec![
+                    ("PATH".to_owned(), DEFAULT_PATH.to_owned()),
+                    ("LANG".to_owned(), "C.UTF-8".to_owned()),
+                ];
+                (env, None, None)
+            }
+            _ => return Err(TemplateError::UnknownTemplate(name.to_owned())),
+        };
+
+        progress(format!("measuring and publishing {name}"));
+        let root = self.root.clone();
+        let build_dir = build_dir.to_owned();
+        let name = name.to_owned();
+        let err_name = name.clone();
+        blocking(&err_name, move || {
+            publish(&root, &name, &build_dir, env, workdir, user)
+        })
+        .await
+    }
+}
+
+/// Checks `name` against `[a-z0-9][a-z0-9._-]{0,62}`.
+fn validate_name(name: &str) -> Result<(), TemplateError> {
+    let bytes = name.as_bytes();
+    let ok = !bytes.is_empty()
+        && bytes.len() <= 63
+        && (bytes[0].is_ascii_lowercase() || bytes[0].is_ascii_digit())
+        && bytes.iter().all(|b| {
+            b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'.' | b'_' | b'-')
+        });
+    if ok {
+        Ok(())
+    } else {
+        Err(TemplateError::InvalidName(name.to_owned()))
+    }
+}
+
+fn is_builtin(name: &str) -> bool {
+    TemplateStore::BUILTIN.contains(&name)
+}
+
+/// Runs blocking filesystem work off the async runtime.
+async fn blocking<T: Send + 'static>(
+    name: &str,
+    f: impl FnOnce() -> Result<T, TemplateError> + Send + 'static,
+) -> Result<T, TemplateError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| TemplateError::Build {
+            name: name.to_owned(),
+            message: format!("build task failed: {e}"),
+        })?
+}
+
+/// Exclusive flock on `<root>/.<name>.lock`, released on drop (or when the process dies).
+struct BuildLock {
+    _file: File,
+}
+
+impl BuildLock {
+    fn open(root: &Path, name: &str) -> Result<File, TemplateError> {
+        let path = root.join(format!(".{name}.lock"));
+        // std opens with O_CLOEXEC, so build tools never inherit (and keep holding) the lock.
+        OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o644)
+            .open(&path)
+            .at("open lock file", &path)
+    }
+
+    fn try_acquire(root: &Path, name: &str) -> Result<Option<Self>, TemplateError> {
+        let file = Self::open(root, name)?;
+        if flock(&file, libc::LOCK_EX | libc::LOCK_NB)? {
+            Ok(Some(Self { _file: file }))
+        } else {
+            Ok(None)
+        }
+    }
+
+    async fn acquire(root: &Path, name: &str) -> Result<Self, TemplateError> {
+        let file = Self::open(root, name)?;
+        // If this future is dropped, the blocking thread still gets the lock and then drops it with the file.
+        let file = tokio::task::spawn_blocking(move || {
+            flock(&file, libc::LOCK_EX)?;
+            Ok::<_, TemplateError>(file)
+        })
+        .await
+        .map_err(|e| TemplateError::Io(io::Error::other(e)))??;
+        Ok(Self { _file: file })
+    }
+}
+
+/// flock(2), retried on EINTR. Returns false if `LOCK_NB` was given and the lock is held elsewhere.
+fn flock(file: &File, op: libc::c_int) -> Result<bool, TemplateError> {
+    use std::os::fd::AsRawFd;
+    loop {
+        // SAFETY: the descriptor is owned by `file`, which outlives the call.
+        if unsafe { libc::flock(file.as_raw_fd(), op) } == 0 {
+            return Ok(true);
+        }
+        let err = io::Error::last_os_error();
+        match err.raw_os_error() {
+            Some(libc::EINTR) => continue,
+            Some(libc::EWOULDBLOCK) if op & libc::LOCK_NB != 0 => return Ok(false),
+            _ => return Err(TemplateError::Io(err)),
+        }
+    }
+}
+
+/// Under the build lock: removes leftovers of earlier crashed builds of `name` (and a `<name>`
+/// directory without metadata) and creates a fresh `.build-<name>-<hex>` directory.
+fn prepare_build_dir(root: &Path, name: &str) -> Result<PathBuf, TemplateError> {
+    for entry in fs::read_dir(root).at("list", root)? {
+        let entry = entry.at("list", root)?;
+        if is_build_dir_of(&entry.file_name(), name) {
+            let path = entry.path();
+            tracing::info!(template = name, path = %path.display(), "removing an interrupted build");
+            if let Err(e) = remove_tree(&path) {
+                // A build killed a moment ago may still have processes writing into it; the next build retries.
+                tracing::warn!(template = name, error = %ErrorChain(&e), "cannot remove an interrupted build");
+            }
+        }
+    }
+    let final_dir = root.join(name);
+    if final_dir.exists() {
+        // Not ready (no readable metadata, checked by the caller under the lock): not a template.
+        remove_tree(&final_dir)?;
+    }
+
+    let mut random = [0u8; BUILD_SUFFIX_LEN / 2];
+    getrandom::getrandom(&mut random).map_err(|e| {
+        TemplateError::Io(match e.raw_os_error() {
+            Some(code) => io::Error::from_raw_os_error(code),
+            None => io::Error::other(e.to_string()),
+        })
+    })?;
+    let dir = root.join(format!("{BUILD_PREFIX}{name}-{}", hex(&random)));
+    fs::create_dir(&dir).at("create", &dir)?;
+    Ok(dir)
+}
+
+/// Whether `file_name` is exactly `.build-<name>-<16 hex digits>` (so `.build-a-b-…` is not `a`'s).
+fn is_build_dir_of(file_name: &OsStr, name: &str) -> bool {
+    let Some(rest) = file_name
+        .to_str()
+        .and_then(|f| f.strip_prefix(BUILD_PREFIX))
+    else {
+        return false;
+    };
+    let Some(suffix) = rest.strip_prefix(name).and_then(|r| r.strip_prefix('-')) else {
+        return false;
+    };
+    suffix.len() == BUILD_SUFFIX_LEN && suffix.bytes().all(|b| b.is_ascii_hexdigit())
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Measures the finished rootfs, writes its metadata, syncs everything and renames the build into place.
+fn publish(
+    root: &Path,
+    name: &str,
+    build_dir: &Path,
+    env: Vec<(String, String)>,
+    workdir: Option<String>,
+    user: Option<String>,
+) -> Result<Template, TemplateError> {
+    let rootfs = build_dir.join(ROOTFS_DIR);
+    let summary = summarize(&rootfs)?;
+    let created_at = time::OffsetDateTime::now_utc()
+        .format(&time::format_description::well_known::Rfc3339)
+        .map_err(|e| TemplateError::Io(io::Error::other(e)))?;
+    let template = Template {
+        name: name.to_owned(),
+        version: format!("{RECIPE_VERSION}-{:012x}", summary.content_id >> 16),
+        rootfs: root.join(name).join(ROOTFS_DIR),
+        env,
+        workdir,
+        user,
+        size_bytes: summary.size_bytes,
+        created_at,
+    };
+    let json = serde_json::to_vec_pretty(&template).map_err(|e| TemplateError::Build {
+        name: name.to_owned(),
+        message: format!("cannot encode metadata: {e}"),
+    })?;
+    write_atomic(&build_dir.join(METADATA_FILE), &json)?;
+
+    // One syncfs flushes the whole rootfs: far cheaper than fsyncing thousands of files one by one.
+    let dir = File::open(build_dir).at("open", build_dir)?;
+    {
+        use std::os::fd::AsRawFd;
+        // SAFETY: the descriptor is owned by `dir`, which outlives the call.
+        if unsafe { libc::syncfs(dir.as_raw_fd()) } != 0 {
+            return Err(io::Error::last_os_error()).at("sync", build_dir);
+        }
+    }
+    let final_dir = root.join(name);
+    fs::rename(build_dir, &final_dir).at("publish", &final_dir)?;
+    fsync_dir(root)?;
+    Ok(template)
+}
+
+/// Writes `path` via a temporary file, fsync and rename, so readers see the old or the new content.
+fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), TemplateError> {
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    let tmp = PathBuf::from(tmp);
+    let mut file = File::create(&tmp).at("create", &tmp)?;
+    file.write_all(bytes).at("write", &tmp)?;
+    file.sync_all().at("sync", &tmp)?;
+    drop(file);
+    fs::rename(&tmp, path).at("rename", path)?;
+    if let Some(parent) = path.parent() {
+        fsync_dir(parent)?;
+    }
+    Ok(())
+}
+
+fn fsync_dir(dir: &Path) -> Result<(), TemplateError> {
+    File::open(dir).and_then(|d| d.sync_all()).at("sync", dir)
+}
+
+struct Summary {
+    size_bytes: u64,
+    content_id: u64,
+}
+
+/// Disk usage (hard links counted once, like `du`) and a fingerprint of the tree: names, types,
+/// modes, owners, sizes and link targets, walked in sorted order. Timestamps are left out, so
+/// identical builds get the same id; file contents are left out to keep this fast.
+fn summarize(rootfs: &Path) -> Result<Summary, TemplateError> {
+    fn walk(
+        dir: &Path,
+        rel: &Path,
+        seen: &mut HashSet<(u64, u64)>,
+        size: &mut u64,
+        hash: &mut Fnv,
+    ) -> Result<(), TemplateError> {
+        let mut entries = fs::read_dir(dir)
+            .at("list", dir)?
+            .map(|e| e.map(|e| e.file_name()))
+            .collect::<Result<Vec<_>, _>>()
+            .at("list", dir)?;
+        entries.sort();
+        for file_name in entries {
+            let path = dir.join(&file_name);
+            let rel = rel.join(&file_name);
+            let meta = fs::symlink_metadata(&path).at("inspect", &path)?;
+            if seen.insert((meta.dev(), meta.ino())) {
+                *size += meta.blocks() * 512;
+            }
+            hash.write(rel.as_os_str().as_bytes());
+            hash.write(&meta.mode().to_le_bytes());
+            hash.write(&meta.uid().to_le_bytes());
+            hash.write(&meta.gid().to_le_bytes());
+            let ft = meta.file_type();
+            if ft.is_file() {
+                hash.write(&meta.len().to_le_bytes());
+            } else if ft.is_symlink() {
+                let target = fs::read_link(&path).at("read link", &path)?;
+                hash.write(target.as_os_str().as_bytes());
+            } else if ft.is_dir() {
+                walk(&path, &rel, seen, size, hash)?;
+            } else {
+                hash.write(&meta.rdev().to_le_bytes());
+            }
+            hash.write(&[0]);
+        }
+        Ok(())
+    }
+    let meta = fs::symlink_metadata(rootfs).at("inspect", rootfs)?;
+    let mut seen = HashSet::new();
+    seen.insert((meta.dev(), meta.ino()));
+    let mut size = meta.blocks() * 512;
+    let mut hash = Fnv::new();
+    walk(rootfs, Path::new(""), &mut seen, &mut size, &mut hash)?;
+    Ok(Summary {
+        size_bytes: size,
+        content_id: hash.finish(),
+    })
+}
+
+/// FNV-1a, 64 bit: enough to tell builds apart, not a security boundary.
+struct Fnv(u64);
+
+impl Fnv {
+    fn new() -> Self {
+        Self(0xcbf2_9ce4_8422_2325)
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 ^= u64::from(*b);
+            self.0 = self.0.wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
+/// Removes a directory tree without ever crossing into another filesystem (a mount left behind
+/// by a killed build tool must not take the host's /dev or /proc with it).
+fn remove_tree(path: &Path) -> Result<(), TemplateError> {
+    fn remove(path: &Path, dev: u64) -> Result<(), TemplateError> {
+        let meta = match fs::symlink_metadata(path) {
+            Ok(m) => m,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+            Err(e) => return Err(e).at("inspect", path),
+        };
+        if !meta.is_dir() {
+            return match fs::remove_file(path) {
+                Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e).at("remove", path),
+                _ => Ok(()),
+            };
+        }
+        if meta.dev() != dev {
+            return Err(TemplateError::Fs {
+                action: "remove (it is a mount point)",
+                path: path.to_owned(),
+                source: io::Error::other("another filesystem is mounted here"),
+            });
+        }
+        for entry in fs::read_dir(path).at("list", path)? {
+            let entry = entry.at("list", path)?;
+            remove(&entry.path(), dev)?;
+        }
+        match fs::remove_dir(path) {
+            Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e).at("remove", path),
+            _ => Ok(()),
+        }
+    }
+    let dev = match path.parent().map(fs::symlink_metadata) {
+        Some(Ok(meta)) => meta.dev(),
+        Some(Err(e)) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Some(Err(e)) => return Err(e).at("inspect", path),
+        None => {
+            return Err(TemplateError::Fs {
+                action: "remove",
+                path: path.to_owned(),
+                source: io::Error::other("refusing to remove a filesystem root"),
+            })
+        }
+    };
+    remove(path, dev)
+}
+
+/// Creates `path` (and missing parents) and sets its mode exactly, whatever the umask.
+fn make_dir(path: &Path, mode: u32) -> Result<(), TemplateError> {
+    fs::create_dir_all(path).at("create", path)?;
+    fs::set_permissions(path, fs::Permissions::from_mode(mode)).at("set mode of", path)
+}
+
+fn write_file(path: &Path, content: &str, mode: u32) -> Result<(), TemplateError> {
+    fs::write(path, content).at("write", path)?;
+    fs::set_permissions(path, fs::Permissions::from_mode(mode)).at("set mode of", path)
+}
+
+fn chown(path: &Path, uid: u32, gid: u32) -> Result<(), TemplateError> {
+    std::os::unix::fs::lchown(path, Some(uid), Some(gid)).at("change owner of", path)
+}
+
+/// Creates the mount points every template needs, leaving /proc, /sys, /dev and /tmp empty.
+fn add_mount_points(rootfs: &Path) -> Result<(), TemplateError> {
+    for (rel, mode) in MOUNT_POINTS {
+        let path = rootfs.join(rel);
+        if fs::symlink_metadata(&path).is_ok_and(|m| !m.is_dir()) {
+            fs::remove_file(&path).at("remove", &path)?;
+        }
+        make_dir(&path, *mode)?;
+        if matches!(*rel, "proc" | "sys" | "dev" | "tmp") {
+            for entry in fs::read_dir(&path).at("list", &path)? {
+                remove_tree(&entry.at("list", &path)?.path())?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Network configuration belongs to the sandbox, not to the template (or to the host that built it).
+fn write_network_files(rootfs: &Path) -> Result<(), TemplateError> {
+    let etc = rootfs.join("etc");
+    for file in ["hosts", "hostname", "resolv.conf"] {
+        let path = etc.join(file);
+        if fs::symlink_metadata(&path).is_ok() {
+            fs::remove_file(&path).at("remove", &path)?;
+        }
+    }
+    write_file(
+        &etc.join("hosts"),
+        "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n",
+        0o644,
+    )?;
+    write_file(&etc.join("hostname"), "localhost\n", 0o644)?;
+    write_file(&etc.join("resolv.conf"), "", 0o644)
+}
+
+fn build_busybox(rootfs: &Path) -> Result<(), TemplateError> {
+    let fail = |message: String| TemplateError::Build {
+        name: "busybox".to_owned(),
+        message,
+    };
+    let host = Path::new(HOST_BUSYBOX);
+    if !host.exists() {
+        return Err(fail(format!(
+            "{HOST_BUSYBOX} not found: run scripts/setup.sh (installs busybox-static)"
+        )));
+    }
+    let elf = fs::read(host).at("read", host)?;
+    match elf_has_interpreter(&elf) {
+        Some(false) => {}
+        Some(true) => {
+            return Err(fail(format!(
+                "{HOST_BUSYBOX} is dynamically linked and would not run inside the template: install busybox-static"
+            )))
+        }
+        None => return Err(fail(format!("{HOST_BUSYBOX} is not a 64-bit ELF executable"))),
+    }
+    let output = std::process::Command::new(host)
+        .arg("--list")
+        .stdin(Stdio::null())
+        .output()
+        .at("run", host)?;
+    if !output.status.success() {
+        return Err(fail(format!(
+            "`{HOST_BUSYBOX} --list` failed ({}): {}",
+            output.status,
+            String::from_utf8_lossy(&output.stderr).trim()
+        )));
+    }
+    let applets: Vec<&str> = std::str::from_utf8(&output.stdout)
+        .map_err(|_| fail(format!("`{HOST_BUSYBOX} --list` printed non-UTF-8 names")))?
+        .lines()
+        .map(str::trim)
+        .filter(|a| !a.is_empty() && *a != "busybox" && !a.contains('/') && *a != "." && *a != "..")
+        .collect();
+    let missing: Vec<&str> = REQUIRED_APPLETS
+        .iter()
+        .copied()
+        .filter(|r| !applets.contains(r))
+        .collect();
+    if !missing.is_empty() {
+        return Err(fail(format!(
+            "{HOST_BUSYBOX} lacks applets {}",
+            missing.join(", ")
+        )));
+    }
+
+    make_dir(rootfs, 0o755)?;
+    for dir in [
+        "bin", "sbin", "usr", "usr/bin", "usr/sbin", "etc", "var", "var/tmp",
+    ] {
+        make_dir(
+            &rootfs.join(dir),
+            if dir == "var/tmp" { 0o1777 } else { 0o755 },
+        )?;
+    }
+    let bin = rootfs.join("bin");
+    let target = bin.join("busybox");
+    fs::write(&target, &elf).at("write", &target)?;
+    fs::set_permissions(&target, fs::Permissions::from_mode(0o755)).at("set mode of", &target)?;
+    for applet in applets {
+        let link = bin.join(applet);
+        std::os::unix::fs::symlink("busybox", &link).at("create link", &link)?;
+    }
+
+    let etc = rootfs.join("etc");
+    write_file(
+        &etc.join("passwd"),
+        &format!("root:x:0:0:root:/root:/bin/sh\n{USER_NAME}:x:{USER_ID}:{USER_ID}:{USER_NAME}:/{USER_HOME}:/bin/sh\n"),
+        0o644,
+    )?;
+    write_file(
+        &etc.join("group"),
+        &format!("root:x:0:\n{USER_NAME}:x:{USER_ID}:\n"),
+        0o644,
+    )?;
+    write_network_files(rootfs)?;
+    make_dir(&rootfs.join("root"), 0o700)?;
+    make_dir(&rootfs.join("home"), 0o755)?;
+    let home = rootfs.join(USER_HOME);
+    make_dir(&home, 0o755)?;
+    chown(&home, USER_ID, USER_ID)?;
+    add_mount_points(rootfs)
+}
+
+/// Whether a 64-bit little-endian ELF image asks for a program interpreter (is dynamically
+/// linked); `None` if it is not such an image.
+fn elf_has_interpreter(elf: &[u8]) -> Option<bool> {
+    const PT_INTERP: u32 = 3;
+    if elf.len() < 64 || &elf[..4] != b"\x7fELF" || elf[4] != 2 || elf[5] != 1 {
+        return None;
+    }
+    let u16_at = |o: usize| Some(u16::from_le_bytes(elf.get(o..o + 2)?.try_into().ok()?));
+    let u32_at = |o: usize| Some(u32::from_le_bytes(elf.get(o..o + 4)?.try_into().ok()?));
+    let u64_at = |o: usize| Some(u64::from_le_bytes(elf.get(o..o + 8)?.try_into().ok()?));
+    let phoff = usize::try_from(u64_at(0x20)?).ok()?;
+    let phentsize = usize::from(u16_at(0x36)?);
+    let phnum = usize::from(u16_at(0x38)?);
+    for i in 0..phnum {
+        let offset = phoff.checked_add(i.checked_mul(phentsize)?)?;
+        if u32_at(offset)? == PT_INTERP {
+            return Some(true);
+        }
+    }
+    Some(false)
+}
+
+/// Finds the build tool `program` in `PATH`, or says how to install it.
+fn find_tool(name: &str, program: &str, hint: &str) -> Result<PathBuf, TemplateError> {
+    find_in_path(&std::env::var_os("PATH").unwrap_or_default(), program).ok_or_else(|| {
+        TemplateError::Build {
+            name: name.to_owned(),
+            message: format!("{program} not found: {hint}"),
+        }
+    })
+}
+
+fn find_in_path(path: &OsStr, program: &str) -> Option<PathBuf> {
+    std::env::split_paths(path)
+        .map(|dir| dir.join(program))
+        .find(|candidate| {
+            fs::metadata(candidate)
+                .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+        })
+}
+
+/// Kills the whole process group of a build tool unless disarmed, so a cancelled build leaves no
+/// apt or dpkg running behind it.
+struct KillGroupOnDrop(Option<libc::pid_t>);
+
+impl KillGroupOnDrop {
+    fn kill_now(&mut self) {
+        if let Some(pgid) = self.0.take() {
+            // SAFETY: plain syscall; the group is the one the child leads (process_group(0)).
+            unsafe {
+                libc::kill(-pgid, libc::SIGKILL);
+            }
+        }
+    }
+}
+
+impl Drop for KillGroupOnDrop {
+    fn drop(&mut self) {
+        self.kill_now();
+    }
+}
+
+/// Runs mmdebstrap into `rootfs`, passing its output to `progress` (rate-limited).
+async fn run_mmdebstrap(
+    name: &str,
+    rootfs: &Path,
+    progress: &(dyn Fn(String) + Send + Sync),
+) -> Result<(), TemplateError> {
+    let fail = |message: String| TemplateError::Build {
+        name: name.to_owned(),
+        message,
+    };
+    let mmdebstrap = find_tool(name, "mmdebstrap", "run scripts/setup.sh")?;
+    let unshare = find_tool(name, "unshare", "run scripts/setup.sh (util-linux)")?;
+
+    // A private mount namespace: whatever mmdebstrap mounts inside the chroot (proc, sys, dev)
+    // disappears with it even if it is killed, instead of staying mounted under the store.
+    let mut cmd = tokio::process::Command::new(unshare);
+    cmd.args(["--mount", "--propagation", "private", "--"])
+        .arg(&mmdebstrap)
+        .args([
+            "--variant=minbase",
+            &format!("--include={DEBIAN_PACKAGES}"),
+            // Documentation and translations are a third of a minimal system and no use in a sandbox.
+            "--dpkgopt=path-exclude=/usr/share/man/*",
+            "--dpkgopt=path-exclude=/usr/share/doc/*",
+            "--dpkgopt=path-include=/usr/share/doc/*/copyright",
+            "--dpkgopt=path-exclude=/usr/share/info/*",
+            "--dpkgopt=path-exclude=/usr/share/locale/*",
+            DEBIAN_SUITE,
+        ])
+        .arg(rootfs)
+        .arg(DEBIAN_MIRROR)
+        .env("LC_ALL", "C.UTF-8")
+        .env("DEBIAN_FRONTEND", "noninteractive")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0)
+        .kill_on_drop(true);
+    let mut child = cmd.spawn().at("run", &mmdebstrap)?;
+    let mut group = KillGroupOnDrop(child.id().and_then(|id| libc::pid_t::try_from(id).ok()));
+
+    let stdout = child.stdout.take();
+    let stderr = child.stderr.take();
+    let mut tail = std::collections::VecDeque::with_capacity(OUTPUT_TAIL_LINES);
+    let mut last_progress: Option<Instant> = None;
+    let run = async {
+        let mut out = stdout.map(|s| BufReader::new(s).lines());
+        let mut err = stderr.map(|s| BufReader::new(s).lines());
+        while out.is_some() || err.is_some() {
+            let line = tokio::select! {
+                line = async { out.as_mut()?.next_line().await.transpose() }, if out.is_some() => {
+                    if line.is_none() { out = None; }
+                    line
+                }
+                line = async { err.as_mut()?.next_line().await.transpose() }, if err.is_some() => {
+                    if line.is_none() { err = None; }
+                    line
+                }
+            };
+            let Some(line) = line else { continue };
+            let line = line.at("read output of", &mmdebstrap)?;
+            let line = line.trim_end();
+            if line.is_empty() {
+                continue;
+            }
+            let line: String = line.chars().take(300).collect();
+            tracing::debug!(template = name, line = %line, "mmdebstrap");
+            if !matches!(last_progress, Some(t) if t.elapsed() < PROGRESS_INTERVAL) {
+                last_progress = Some(Instant::now());
+                progress(format!("mmdebstrap: {line}"));
+            }
+            if tail.len() == OUTPUT_TAIL_LINES {
+                tail.pop_front();
+            }
+            tail.push_back(line);
+        }
+        child.wait().await.at("wait for", &mmdebstrap)
+    };
+    let status = match tokio::time::timeout(DEBIAN_BUILD_TIMEOUT, run).await {
+        Ok(status) => status?,
+        Err(_) => {
+            return Err(fail(format!(
+                "mmdebstrap did not finish within {} minutes",
+                DEBIAN_BUILD_TIMEOUT.as_secs() / 60
+            )))
+        }
+    };
+    // Sweep anything the tool left running in its group (an agent, a stuck dpkg).
+    group.kill_now();
+    if !status.success() {
+        let tail: Vec<String> = tail.into_iter().collect();
+        return Err(fail(format!(
+            "mmdebstrap exited with {status}; last output:\n{}",
+            tail.join("\n")
+        )));
+    }
+    Ok(())
+}
+
+/// Adds the unprivileged user, resets host-specific files, empties caches and adds the mount points.
+fn finish_debian(rootfs: &Path) -> Result<(), TemplateError> {
+    add_user(rootfs)?;
+    write_network_files(rootfs)?;
+    // apt's indexes and downloaded packages are rebuilt by `apt-get update` whenever needed.
+    for dir in [
+        "var/lib/apt/lists",
+        "var/cache/apt/archives",
+        "var/cache/apt",
+    ] {
+        let dir = rootfs.join(dir);
+        let Ok(entries) = fs::read_dir(&dir) else {
+            continue;
+        };
+        for entry in entries {
+            let entry = entry.at("list", &dir)?;
+            let file_name = entry.file_name();
+            let keep = matches!(file_name.to_str(), Some("partial" | "lock" | "archives"));
+            if !keep && entry.file_type().at("inspect", &entry.path())?.is_file() {
+                fs::remove_file(entry.path()).at("remove", &entry.path())?;
+            }
+        }
+    }
+    add_mount_points(rootfs)
+}
+
+/// Adds `user` (uid/gid 1000, home /home/user, bash) by editing the account files directly,
+/// which needs neither network nor a chroot.
+fn add_user(rootfs: &Path) -> Result<(), TemplateError> {
+    let etc = rootfs.join("etc");
+    let fail = |message: String| TemplateError::Build {
+        name: "debian".to_owned(),
+        message,
+    };
+    let passwd_path = etc.join("passwd");
+    let passwd = fs::read_to_string(&passwd_path).at("read", &passwd_path)?;
+    let uid = USER_ID.to_string();
+    let taken = passwd.lines().any(|l| {
+        let mut fields = l.split(':');
+        fields.next() == Some(USER_NAME) || fields.nth(1) == Some(uid.as_str())
+    });
+    if taken {
+        return Err(fail(format!(
+            "the base system already has user {USER_NAME} or uid {USER_ID}"
+        )));
+    }
+    let days = time::OffsetDateTime::now_utc().unix_timestamp() / 86_400;
+    let append = |file: &str, line: String, mode: u32| -> Result<(), TemplateError> {
+        let path = etc.join(file);
+        let mut content = match fs::read_to_string(&path) {
+            Ok(c) => c,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => String::new(),
+            Err(e) => return Err(e).at("read", &path),
+        };
+        if !content.is_empty() && !content.ends_with('\n') {
+            content.push('\n');
+        }
+        content.push_str(&line);
+        content.push('\n');
+        let meta = fs::metadata(&path).ok();
+        write_file(
+            &path,
+            &content,
+            meta.as_ref().map_or(mode, |m| m.mode() & 0o7777),
+        )?;
+        if let Some(m) = meta {
+            chown(&path, m.uid(), m.gid())?;
+        }
+        Ok(())
+    };
+    append(
+        "passwd",
+        format!("{USER_NAME}:x:{USER_ID}:{USER_ID}:{USER_NAME}:/{USER_HOME}:/bin/bash"),
+        0o644,
+    )?;
+    append("group", format!("{USER_NAME}:x:{USER_ID}:"), 0o644)?;
+    // `*`: no password, so no password login; sudo-less root access is the runtime's business.
+    append(
+        "shadow",
+        format!("{USER_NAME}:*:{days}:0:99999:7:::"),
+        0o640,
+    )?;
+    append("gshadow", format!("{USER_NAME}:!::"), 0o640)?;
+
+    let home = rootfs.join(USER_HOME);
+    make_dir(&home, 0o755)?;
+    chown(&home, USER_ID, USER_ID)?;
+    let skel = etc.join("skel");
+    if let Ok(entries) = fs::read_dir(&skel) {
+        for entry in entries {
+            let entry = entry.at("list", &skel)?;
+            if !entry.file_type().at("inspect", &entry.path())?.is_file() {
+                continue;
+            }
+            let to = home.join(entry.file_name());
+            fs::copy(entry.path(), &to).at("copy", &to)?;
+            chown(&to, USER_ID, USER_ID)?;
+        }
+    }
+    Ok(())
+}
+
+/// Adds the path (and what was being done to it) to an I/O error.
+trait IoContext<T> {
+    fn at(self, action: &'static str, path: &Path) -> Result<T, TemplateError>;
+}
+
+impl<T> IoContext<T> for Result<T, io::Error> {
+    fn at(self, action: &'static str, path: &Path) -> Result<T, TemplateError> {
+        self.map_err(|source| TemplateError::Fs {
+            action,
+            path: path.to_owned(),
+            source,
+        })
+    }
+}
+
+/// Displays an error with its causes, for log lines.
+struct ErrorChain<'a>(&'a dyn std::error::Error);
+
+impl std::fmt::Display for ErrorChain<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)?;
+        let mut source = self.0.source();
+        while let Some(cause) = source {
+            write!(f, ": {cause}")?;
+            source = cause.source();
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names() {
+        for ok in [
+            "busybox",
+            "debian",
+            "a",
+            "0",
+            "py3.12",
+            "my_tpl-2",
+            &"a".repeat(63),
+        ] {
+            assert!(validate_name(ok).is_ok(), "{ok}");
+        }
+        for bad in [
+            "",
+            "-a",
+            ".a",
+            "_a",
+            "A",
+            "a/b",
+            "..",
+            "a b",
+            "deb\u{e9}",
+            &"a".repeat(64),
+        ] {
+            assert!(
+                matches!(validate_name(bad), Err(TemplateError::InvalidName(_))),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn build_dir_names_belong_to_one_template() {
+        let hex16 = "0123456789abcdef";
+        assert!(is_build_dir_of(
+            OsStr::new(&format!(".build-a-{hex16}")),
+            "a"
+        ));
+        assert!(!is_build_dir_of(
+            OsStr::new(&format!(".build-a-b-{hex16}")),
+            "a"
+        ));
+        assert!(is_build_dir_of(
+            OsStr::new(&format!(".build-a-b-{hex16}")),
+            "a-b"
+        ));
+        assert!(!is_build_dir_of(OsStr::new(".build-a-0123"), "a"));
+        assert!(!is_build_dir_of(OsStr::new("a"), "a"));
+    }
+
+    #[test]
+    fn elf_interpreter_detection() {
+        assert_eq!(elf_has_interpreter(b"#!/bin/sh\n"), None);
+        if let Ok(sh) = fs::read("/bin/sh") {
+            // Debian's dash is dynamically linked.
+            assert_eq!(elf_has_interpreter(&sh), Some(true));
+        }
+    }
+
+    #[test]
+    fn missing_tool_says_how_to_install_it() {
+        assert!(find_in_path(OsStr::new("/usr/bin:/bin"), "sh").is_some());
+        assert!(find_in_path(OsStr::new(""), "sh").is_none());
+        let err = find_tool("debian", "no-such-tool-xyz", "run scripts/setup.sh").unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "building template debian failed: no-such-tool-xyz not found: run scripts/setup.sh"
+        );
+    }
+
+    #[test]
+    fn errors_do_not_repeat_their_cause() {
+        let err = Err::<(), _>(io::Error::from(io::ErrorKind::NotFound))
+            .at("read", Path::new("/x"))
+            .unwrap_err();
+        assert_eq!(err.to_string(), "cannot read /x");
+        assert!(ErrorChain(&err).to_string().starts_with("cannot read /x: "));
+    }
+}

@@ -1,0 +1,248 @@
+//! The HTTP layer: a thin parser in front of [`crate::service::Service`].
+//! Each handler turns a request into one service call; errors become
+//! `{"error":{"code","message"}}` with the right status.
+
+mod commands;
+mod operations;
+mod sandboxes;
+mod templates;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::{FromRequest, Request, State};
+use axum::http::{header, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::de::DeserializeOwned;
+use space_api::{ApiError, ErrorBody};
+
+use crate::service::{error_chain, Service, ServiceError};
+
+/// Largest request body accepted on JSON endpoints.
+pub const MAX_JSON_BODY: usize = 1 << 20;
+/// Longest long-poll a client may ask for.
+const MAX_WAIT: Duration = Duration::from_secs(600);
+
+#[derive(Clone)]
+pub struct AppState {
+    pub service: Service,
+    pub token: Arc<String>,
+}
+
+pub fn router(state: AppState) -> Router {
+    let v1 = Router::new()
+        .route(
+            "/sandboxes",
+            post(sandboxes::create).get(sandboxes::list),
+        )
+        .route(
+            "/sandboxes/:id",
+            get(sandboxes::get).delete(sandboxes::destroy),
+        )
+        .route("/sandboxes/:id/pause", post(sandboxes::pause))
+        .route("/sandboxes/:id/resume", post(sandboxes::resume))
+        .route("/sandboxes/:id/suspend", post(sandboxes::suspend))
+        .route(
+            "/sandboxes/:id/commands",
+            post(commands::create).get(commands::list),
+        )
+        .route("/sandboxes/:id/commands/:cid", get(commands::get))
+        .route("/sandboxes/:id/commands/:cid/output", get(commands::output))
+        .route("/sandboxes/:id/commands/:cid/signal", post(commands::signal))
+        .route("/operations", get(operations::list))
+        .route("/operations/:id", get(operations::get))
+        .route("/operations/:id/cancel", post(operations::cancel))
+        .route("/templates", get(templates::list))
+        .fallback(not_found)
+        .layer(middleware::from_fn_with_state(state.clone(), auth));
+    Router::new()
+        .route("/healthz", get(|| async { Json(serde_json::json!({"status": "ok"})) }))
+        .nest("/v1", v1)
+        .fallback(not_found)
+        .with_state(state)
+        .layer(middleware::from_fn(log_request))
+}
+
+async fn not_found() -> Response {
+    error(StatusCode::NOT_FOUND, "not_found", "no such endpoint")
+}
+
+/// Bearer-token auth on every `/v1` route.
+async fn auth(State(state): State<AppState>, req: Request, next: Next) -> Response {
+    let presented = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim);
+    let ok = presented.is_some_and(|t| constant_time_eq(t.as_bytes(), state.token.as_bytes()));
+    if !ok {
+        let mut resp = error(
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+            "missing or wrong bearer token",
+        );
+        resp.headers_mut()
+            .insert(header::WWW_AUTHENTICATE, "Bearer".parse().expect("static header"));
+        return resp;
+    }
+    next.run(req).await
+}
+
+/// One structured log line per request.
+async fn log_request(req: Request, next: Next) -> Response {
+    let method = req.method().clone();
+    let path = req.uri().path().to_string();
+    let start = std::time::Instant::now();
+    let resp = next.run(req).await;
+    tracing::info!(
+        %method,
+        path = %crate::service::truncate(&path, 200),
+        status = resp.status().as_u16(),
+        ms = start.elapsed().as_millis() as u64,
+        "request"
+    );
+    resp
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+pub fn error(status: StatusCode, code: &str, message: impl Into<String>) -> Response {
+    (
+        status,
+        Json(ErrorBody {
+            error: ApiError::new(code, message),
+        }),
+    )
+        .into_response()
+}
+
+/// A service error as an HTTP response.
+pub struct HttpError(pub ServiceError);
+
+impl From<ServiceError> for HttpError {
+    fn from(e: ServiceError) -> Self {
+        HttpError(e)
+    }
+}
+
+impl IntoResponse for HttpError {
+    fn into_response(self) -> Response {
+        let (status, code) = match &self.0 {
+            ServiceError::NotFound(_) => (StatusCode::NOT_FOUND, "not_found"),
+            ServiceError::BadRequest(_) => (StatusCode::BAD_REQUEST, "invalid_request"),
+            ServiceError::Conflict(_) => (StatusCode::CONFLICT, "conflict"),
+            ServiceError::InvalidTransition(_) => (StatusCode::CONFLICT, "invalid_transition"),
+            ServiceError::NotImplemented(_) => (StatusCode::NOT_IMPLEMENTED, "not_implemented"),
+            ServiceError::Unavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
+            ServiceError::Store(_) | ServiceError::Internal(_) => {
+                tracing::error!(error = %error_chain(&self.0), "internal error");
+                (StatusCode::INTERNAL_SERVER_ERROR, "internal")
+            }
+        };
+        let message = match &self.0 {
+            ServiceError::Store(_) => "internal storage error".to_string(),
+            e => e.to_string(),
+        };
+        error(status, code, message)
+    }
+}
+
+
+/// A JSON body: bounded (413), strictly parsed (400 naming the problem).
+pub struct ApiJson<T>(pub T);
+
+#[axum::async_trait]
+impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for ApiJson<T> {
+    type Rejection = Response;
+
+    async fn from_request(req: Request, _state: &S) -> Result<Self, Self::Rejection> {
+        let body: Body = req.into_body();
+        let bytes = axum::body::to_bytes(body, MAX_JSON_BODY).await.map_err(|_| {
+            error(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "body_too_large",
+                format!("request body larger than {MAX_JSON_BODY} bytes"),
+            )
+        })?;
+        let value = serde_json::from_slice(&bytes).map_err(|e| {
+            error(
+                StatusCode::BAD_REQUEST,
+                "invalid_json",
+                format!("invalid request body: {e}"),
+            )
+        })?;
+        Ok(ApiJson(value))
+    }
+}
+
+/// Query parameters into `T`, with a 400 in our error format.
+pub fn parse_query<T: DeserializeOwned>(raw: Option<&str>) -> Result<T, Response> {
+    serde_urlencoded::from_str(raw.unwrap_or("")).map_err(|e| {
+        error(
+            StatusCode::BAD_REQUEST,
+            "invalid_query",
+            format!("invalid query: {e}"),
+        )
+    })
+}
+
+/// `30s`, `500ms`, `2m` or plain seconds, at most [`MAX_WAIT`].
+pub fn parse_wait(s: &str) -> Result<Duration, Response> {
+    let bad = || {
+        error(
+            StatusCode::BAD_REQUEST,
+            "invalid_query",
+            format!("invalid wait {:?}: use e.g. 30s, 500ms or 2m", crate::service::truncate(s, 32)),
+        )
+    };
+    let s = s.trim();
+    let (num, unit) = match s.find(|c: char| !c.is_ascii_digit()) {
+        Some(i) => (&s[..i], &s[i..]),
+        None => (s, "s"),
+    };
+    let n: u64 = num.parse().map_err(|_| bad())?;
+    let d = match unit {
+        "ms" => Duration::from_millis(n),
+        "s" => Duration::from_secs(n),
+        "m" => Duration::from_secs(n.saturating_mul(60)),
+        _ => return Err(bad()),
+    };
+    Ok(d.min(MAX_WAIT))
+}
+
+/// Rejects ids that cannot be ours with a 404 before they reach the store.
+pub fn check_id(id: &str, prefix: &str, what: &str) -> Result<(), Response> {
+    if space_core::is_valid_id(id, prefix) {
+        Ok(())
+    } else {
+        Err(error(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            format!("no {what} {}", crate::service::truncate(id, 64)),
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn wait_parsing() {
+        assert_eq!(parse_wait("30s").ok(), Some(Duration::from_secs(30)));
+        assert_eq!(parse_wait("250ms").ok(), Some(Duration::from_millis(250)));
+        assert_eq!(parse_wait("2m").ok(), Some(Duration::from_secs(120)));
+        assert_eq!(parse_wait("5").ok(), Some(Duration::from_secs(5)));
+        assert_eq!(parse_wait("99999m").ok(), Some(MAX_WAIT));
+        assert!(parse_wait("abc").is_err());
+        assert!(parse_wait("5h").is_err());
+        assert!(parse_wait("").is_err());
+    }
+}

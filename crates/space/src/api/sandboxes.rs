@@ -1,0 +1,96 @@
+//! `/v1/sandboxes`.
+
+use axum::extract::{Path, RawQuery, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde::Deserialize;
+use space_api::{CreateSandboxRequest, SandboxList};
+
+use super::{check_id, error, parse_query, ApiJson, AppState, HttpError};
+
+pub async fn create(
+    State(st): State<AppState>,
+    ApiJson(req): ApiJson<CreateSandboxRequest>,
+) -> Response {
+    match st.service.create_sandbox(req) {
+        Ok(op) => (StatusCode::ACCEPTED, Json(op)).into_response(),
+        Err(e) => HttpError(e).into_response(),
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ListQuery {
+    /// `k=v`; several may be given as a comma-separated list.
+    label: Option<String>,
+}
+
+pub async fn list(State(st): State<AppState>, RawQuery(q): RawQuery) -> Response {
+    let q: ListQuery = match parse_query(q.as_deref()) {
+        Ok(q) => q,
+        Err(r) => return r,
+    };
+    let mut labels = Vec::new();
+    for pair in q.label.iter().flat_map(|l| l.split(',')).filter(|p| !p.is_empty()) {
+        match pair.split_once('=') {
+            Some((k, v)) => labels.push((k.to_string(), v.to_string())),
+            None => {
+                return error(
+                    StatusCode::BAD_REQUEST,
+                    "invalid_query",
+                    "label filters look like label=key=value",
+                )
+            }
+        }
+    }
+    match st.service.list_sandboxes(&labels) {
+        Ok(sandboxes) => Json(SandboxList { sandboxes }).into_response(),
+        Err(e) => HttpError(e).into_response(),
+    }
+}
+
+pub async fn get(State(st): State<AppState>, Path(id): Path<String>) -> Response {
+    if let Err(r) = check_id(&id, "sb", "sandbox") {
+        return r;
+    }
+    match st.service.get_sandbox(&id) {
+        Ok(sb) => Json(sb).into_response(),
+        Err(e) => HttpError(e).into_response(),
+    }
+}
+
+pub async fn destroy(State(st): State<AppState>, Path(id): Path<String>) -> Response {
+    if let Err(r) = check_id(&id, "sb", "sandbox") {
+        return r;
+    }
+    accepted(st.service.destroy_sandbox(&id))
+}
+
+pub async fn pause(State(st): State<AppState>, Path(id): Path<String>) -> Response {
+    if let Err(r) = check_id(&id, "sb", "sandbox") {
+        return r;
+    }
+    accepted(st.service.pause_or_resume(&id, true))
+}
+
+pub async fn resume(State(st): State<AppState>, Path(id): Path<String>) -> Response {
+    if let Err(r) = check_id(&id, "sb", "sandbox") {
+        return r;
+    }
+    accepted(st.service.pause_or_resume(&id, false))
+}
+
+pub async fn suspend(State(st): State<AppState>, Path(id): Path<String>) -> Response {
+    if let Err(r) = check_id(&id, "sb", "sandbox") {
+        return r;
+    }
+    accepted(st.service.suspend(&id))
+}
+
+fn accepted(r: crate::service::Result<space_api::Operation>) -> Response {
+    match r {
+        Ok(op) => (StatusCode::ACCEPTED, Json(op)).into_response(),
+        Err(e) => HttpError(e).into_response(),
+    }
+}

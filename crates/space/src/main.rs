@@ -1,0 +1,294 @@
+//! `space`: the server (`space serve`) and the CLI that talks to it over HTTP.
+
+mod api;
+mod cli;
+mod service;
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::{bail, Context};
+use clap::{Parser, Subcommand};
+use space_runtime::gvisor::GvisorRuntime;
+
+#[derive(Parser)]
+#[command(name = "space", version, about = "Sandboxed Platform for Agentic Code Execution")]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Run the server.
+    Serve(ServeArgs),
+    /// Manage sandboxes.
+    #[command(subcommand)]
+    Sandbox(cli::SandboxCmd),
+    /// Look at operations.
+    #[command(subcommand)]
+    Ops(cli::OpsCmd),
+    /// Run a command in a sandbox, stream its output, exit with its exit code.
+    Exec(cli::ExecArgs),
+    /// List templates.
+    Templates,
+    /// Local administration that needs no server.
+    #[command(subcommand)]
+    Admin(AdminCmd),
+}
+
+#[derive(Subcommand)]
+enum AdminCmd {
+    /// Build a built-in template into the template directory if it is not there yet.
+    PrepareTemplate {
+        name: String,
+        #[arg(long, env = "SPACE_DATA_DIR", default_value = "/var/lib/space")]
+        data_dir: PathBuf,
+        #[arg(long)]
+        templates_dir: Option<PathBuf>,
+    },
+}
+
+#[derive(Parser, Debug)]
+struct ServeArgs {
+    /// Address to listen on; port 0 picks a free one (the chosen address is printed).
+    #[arg(long, default_value = "127.0.0.1:7070")]
+    listen: SocketAddr,
+    /// Where everything the server keeps lives.
+    #[arg(long, env = "SPACE_DATA_DIR", default_value = "/var/lib/space")]
+    data_dir: PathBuf,
+    /// Template cache (default: DATA_DIR/templates). Several servers may share one.
+    #[arg(long, env = "SPACE_TEMPLATES_DIR")]
+    templates_dir: Option<PathBuf>,
+    /// Development mode: accept the token in SPACE_DEV_TOKEN (default `space-dev-token`); loopback only.
+    #[arg(long)]
+    dev: bool,
+    /// The static space-agent binary (default: next to this executable).
+    #[arg(long, env = "SPACE_AGENT_BIN")]
+    agent_bin: Option<PathBuf>,
+    /// The runsc binary.
+    #[arg(long, env = "SPACE_RUNSC", default_value = "runsc")]
+    runsc: PathBuf,
+    /// gVisor platform.
+    #[arg(long, default_value = "systrap")]
+    platform: String,
+    /// Creates that may boot at the same time; more wait as `pending`.
+    #[arg(long, default_value_t = 4)]
+    max_concurrent_creates: usize,
+    /// Default vCPUs of a sandbox.
+    #[arg(long, default_value_t = 1)]
+    default_vcpus: u32,
+    /// Default memory of a sandbox, MiB.
+    #[arg(long, default_value_t = 512)]
+    default_memory_mib: u64,
+    /// Default process limit of a sandbox.
+    #[arg(long, default_value_t = 1024)]
+    default_pids: u64,
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    match cli.command {
+        Cmd::Serve(args) => {
+            init_tracing();
+            rt.block_on(serve(args))
+        }
+        Cmd::Admin(AdminCmd::PrepareTemplate {
+            name,
+            data_dir,
+            templates_dir,
+        }) => {
+            init_tracing();
+            rt.block_on(async {
+                let dir = templates_dir.unwrap_or_else(|| data_dir.join("templates"));
+                let store = space_runtime::template::TemplateStore::new(dir)?;
+                let t = store
+                    .ensure(&name, &|line: String| eprintln!("{line}"))
+                    .await?;
+                println!("{} {} {}", t.name, t.version, t.rootfs.display());
+                Ok(())
+            })
+        }
+        other => {
+            let code = rt.block_on(cli::run(other.into_client()))?;
+            std::process::exit(code);
+        }
+    }
+}
+
+impl Cmd {
+    fn into_client(self) -> cli::ClientCmd {
+        match self {
+            Cmd::Sandbox(c) => cli::ClientCmd::Sandbox(c),
+            Cmd::Ops(c) => cli::ClientCmd::Ops(c),
+            Cmd::Exec(a) => cli::ClientCmd::Exec(a),
+            Cmd::Templates => cli::ClientCmd::Templates,
+            Cmd::Serve(_) | Cmd::Admin(_) => unreachable!("handled in main"),
+        }
+    }
+}
+
+fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("SPACE_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+}
+
+async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    let token = if args.dev {
+        if !args.listen.ip().is_loopback() {
+            bail!(
+                "--dev refuses to listen on {}: dev mode accepts a well-known token, so it only listens on loopback",
+                args.listen
+            );
+        }
+        let token = std::env::var("SPACE_DEV_TOKEN").unwrap_or_else(|_| "space-dev-token".into());
+        eprintln!("################################################################");
+        eprintln!("# WARNING: space is running in DEV MODE.                       #");
+        eprintln!("# Anyone on this machine with the dev token can run code here. #");
+        eprintln!("# Do not use --dev in production.                              #");
+        eprintln!("################################################################");
+        token
+    } else {
+        match std::env::var("SPACE_API_TOKEN") {
+            Ok(t) if t.len() >= 16 => t,
+            _ => bail!("set SPACE_API_TOKEN (at least 16 characters) or run with --dev"),
+        }
+    };
+
+    let agent_bin = match args.agent_bin {
+        Some(p) => p,
+        None => default_agent_bin()?,
+    };
+    let agent_dir = args.data_dir.join("agent");
+    install_agent(&agent_bin, &agent_dir)
+        .with_context(|| format!("installing the agent from {}", agent_bin.display()))?;
+
+    let runtime = GvisorRuntime::new(
+        args.runsc.clone(),
+        args.data_dir.join("runsc"),
+        args.platform.clone(),
+    );
+    let cfg = service::Config {
+        data_dir: args.data_dir.clone(),
+        templates_dir: args
+            .templates_dir
+            .clone()
+            .unwrap_or_else(|| args.data_dir.join("templates")),
+        agent_dir,
+        max_concurrent_creates: args.max_concurrent_creates,
+        default_resources: space_api::Resources {
+            vcpus: Some(args.default_vcpus),
+            memory_mib: Some(args.default_memory_mib),
+            disk_mib: None,
+            pids: Some(args.default_pids),
+        },
+    };
+    let service = service::Service::start(cfg, Arc::new(runtime))
+        .await
+        .context("starting the service")?;
+    let app = api::router(api::AppState {
+        service,
+        token: Arc::new(token),
+    });
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("listening on {}", args.listen))?;
+    let addr = listener.local_addr()?;
+    // Tests and scripts read this line to find an ephemeral port.
+    println!("space listening on http://{addr}");
+    tracing::info!(%addr, data_dir = %args.data_dir.display(), "serving");
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown_signal())
+        .await?;
+    tracing::info!("stopped; sandboxes keep running and are re-adopted on the next start");
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = term.recv() => {},
+        _ = int.recv() => {},
+    }
+}
+
+/// `space-agent` next to this executable, or the static build in the same target dir.
+fn default_agent_bin() -> anyhow::Result<PathBuf> {
+    let exe = std::env::current_exe()?;
+    let dir = exe.parent().context("executable has no directory")?;
+    let candidates = [
+        dir.join("space-agent"),
+        dir.join("../x86_64-unknown-linux-gnu/release/space-agent"),
+        dir.join("../../x86_64-unknown-linux-gnu/release/space-agent"),
+    ];
+    for c in &candidates {
+        if c.is_file() && is_static_elf(c).unwrap_or(false) {
+            return Ok(c.clone());
+        }
+    }
+    bail!(
+        "no static space-agent binary found next to {}; build it with scripts/build.sh or pass --agent-bin",
+        exe.display()
+    )
+}
+
+/// Copies the agent into the data dir (atomically) so sandboxes never see a half-written binary.
+fn install_agent(src: &Path, dir: &Path) -> anyhow::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    if !is_static_elf(src)? {
+        bail!(
+            "{} is not a statically linked ELF executable; the agent must run in any template",
+            src.display()
+        );
+    }
+    std::fs::create_dir_all(dir)?;
+    let dst = dir.join("space-agent");
+    let new = std::fs::read(src)?;
+    if std::fs::read(&dst).ok().as_deref() == Some(&new[..]) {
+        return Ok(());
+    }
+    let tmp = dir.join(format!(".space-agent.{}", std::process::id()));
+    std::fs::write(&tmp, &new)?;
+    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o755))?;
+    std::fs::File::open(&tmp)?.sync_all()?;
+    std::fs::rename(&tmp, &dst)?;
+    Ok(())
+}
+
+/// Whether `path` is a 64-bit ELF executable without a program interpreter.
+fn is_static_elf(path: &Path) -> anyhow::Result<bool> {
+    let data = std::fs::read(path)?;
+    if data.len() < 64 || &data[..4] != b"\x7fELF" || data[4] != 2 {
+        return Ok(false);
+    }
+    let u16_at = |o: usize| u16::from_le_bytes([data[o], data[o + 1]]) as usize;
+    let mut off = [0u8; 8];
+    off.copy_from_slice(&data[0x20..0x28]);
+    let phoff = usize::try_from(u64::from_le_bytes(off))?;
+    let (phentsize, phnum) = (u16_at(0x36), u16_at(0x38));
+    for i in 0..phnum {
+        let o = phoff + i * phentsize;
+        if o + 4 > data.len() {
+            return Ok(false);
+        }
+        let p_type = u32::from_le_bytes([data[o], data[o + 1], data[o + 2], data[o + 3]]);
+        if p_type == 3 {
+            return Ok(false); // PT_INTERP: dynamically linked
+        }
+    }
+    Ok(true)
+}

@@ -1,0 +1,281 @@
+//! The host end of the agent protocol: a Unix socket per sandbox that the
+//! agent dials, the handshake that authenticates it, and an HTTP/2 client on
+//! the accepted connection. Everything read from the agent is hostile: lines
+//! and bodies are bounded, and a protocol violation drops the connection.
+
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Method, Request, StatusCode};
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Full, Limited, StreamBody};
+use hyper::body::{Frame as BodyFrame, Incoming};
+use hyper::client::conn::http2::SendRequest;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use space_agent::protocol::{self, ErrorBody, Hello, HelloReply};
+use tokio::io::AsyncWriteExt;
+use tokio::net::UnixListener;
+use tokio::sync::{mpsc, watch};
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_stream::StreamExt;
+
+type HostBody = BoxBody<Bytes, std::convert::Infallible>;
+
+/// How long a freshly accepted connection may take to say hello.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Largest JSON response accepted from an agent.
+const MAX_AGENT_JSON: usize = 4 << 20;
+
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    #[error("the sandbox's agent is not connected")]
+    NotConnected,
+    #[error("the connection to the agent failed")]
+    Connection(#[source] hyper::Error),
+    #[error("the agent answered {status}: {message}")]
+    Status { status: StatusCode, message: String },
+    #[error("the agent sent an invalid response: {0}")]
+    Protocol(String),
+}
+
+/// One live, authenticated connection to a sandbox's agent.
+#[derive(Clone)]
+pub struct AgentConn {
+    sender: SendRequest<HostBody>,
+    pub generation: u64,
+}
+
+impl std::fmt::Debug for AgentConn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AgentConn")
+            .field("generation", &self.generation)
+            .finish()
+    }
+}
+
+impl AgentConn {
+    async fn send(&self, req: Request<HostBody>) -> Result<http::Response<Incoming>, AgentError> {
+        let mut sender = self.sender.clone();
+        sender.ready().await.map_err(AgentError::Connection)?;
+        sender
+            .send_request(req)
+            .await
+            .map_err(AgentError::Connection)
+    }
+
+    /// A JSON request; non-2xx answers become [`AgentError::Status`].
+    pub async fn json<T: DeserializeOwned>(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<&impl Serialize>,
+    ) -> Result<T, AgentError> {
+        let bytes = match body {
+            Some(b) => Bytes::from(serde_json::to_vec(b).unwrap_or_default()),
+            None => Bytes::new(),
+        };
+        let req = Request::builder()
+            .method(method)
+            .uri(format!("http://agent{path}"))
+            .header("content-type", "application/json")
+            .body(Full::new(bytes).boxed())
+            .map_err(|e| AgentError::Protocol(e.to_string()))?;
+        let resp = self.send(req).await?;
+        let status = resp.status();
+        let body = Limited::new(resp.into_body(), MAX_AGENT_JSON)
+            .collect()
+            .await
+            .map_err(|e| AgentError::Protocol(format!("reading the response: {e}")))?
+            .to_bytes();
+        if !status.is_success() {
+            let message = serde_json::from_slice::<ErrorBody>(&body)
+                .map(|b| b.error.message)
+                .unwrap_or_else(|_| String::from_utf8_lossy(&body[..body.len().min(200)]).into());
+            return Err(AgentError::Status { status, message });
+        }
+        if body.is_empty() {
+            return serde_json::from_slice(b"null")
+                .map_err(|e| AgentError::Protocol(e.to_string()));
+        }
+        serde_json::from_slice(&body).map_err(|e| AgentError::Protocol(e.to_string()))
+    }
+
+    /// Opens the full-duplex attach stream of a command from the given offsets.
+    /// Returns the sender for host frames and the body carrying agent frames.
+    pub async fn attach(
+        &self,
+        command_id: &str,
+        stdout: u64,
+        stderr: u64,
+    ) -> Result<(mpsc::Sender<Bytes>, Incoming), AgentError> {
+        let (tx, rx) = mpsc::channel::<Bytes>(16);
+        let stream = ReceiverStream::new(rx).map(|b| Ok::<_, std::convert::Infallible>(BodyFrame::data(b)));
+        let body = StreamBody::new(stream).boxed();
+        let req = Request::builder()
+            .method(Method::POST)
+            .uri(format!(
+                "http://agent/v1/commands/{command_id}/attach?stdout={stdout}&stderr={stderr}"
+            ))
+            .body(body)
+            .map_err(|e| AgentError::Protocol(e.to_string()))?;
+        let resp = self.send(req).await?;
+        let status = resp.status();
+        if !status.is_success() {
+            let body = Limited::new(resp.into_body(), 64 * 1024)
+                .collect()
+                .await
+                .map(|c| c.to_bytes())
+                .unwrap_or_default();
+            let message = serde_json::from_slice::<ErrorBody>(&body)
+                .map(|b| b.error.message)
+                .unwrap_or_default();
+            return Err(AgentError::Status { status, message });
+        }
+        Ok((tx, resp.into_body()))
+    }
+}
+
+/// Accepts the agent's connections on `socket` for as long as the returned
+/// task runs, publishing the current connection on `conn`.
+pub fn listen(
+    sandbox_id: String,
+    token: String,
+    socket: &Path,
+    conn: watch::Sender<Option<AgentConn>>,
+) -> std::io::Result<tokio::task::JoinHandle<()>> {
+    match std::fs::remove_file(socket) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    let listener = UnixListener::bind(socket)?;
+    let generation = Arc::new(AtomicU64::new(0));
+    Ok(tokio::spawn(async move {
+        loop {
+            let (stream, _) = match listener.accept().await {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::warn!(sandbox = %sandbox_id, error = %e, "accepting an agent connection failed");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            };
+            let (sandbox_id, token, conn, generation) =
+                (sandbox_id.clone(), token.clone(), conn.clone(), generation.clone());
+            tokio::spawn(async move {
+                match tokio::time::timeout(
+                    HANDSHAKE_TIMEOUT,
+                    handshake(stream, &sandbox_id, &token),
+                )
+                .await
+                {
+                    Ok(Ok(stream)) => {
+                        let gen = generation.fetch_add(1, Ordering::SeqCst) + 1;
+                        serve_connection(stream, &sandbox_id, gen, conn).await;
+                    }
+                    Ok(Err(reason)) => {
+                        tracing::warn!(sandbox = %sandbox_id, %reason, "agent handshake refused");
+                    }
+                    Err(_) => {
+                        tracing::warn!(sandbox = %sandbox_id, "agent handshake timed out");
+                    }
+                }
+            });
+        }
+    }))
+}
+
+async fn handshake(
+    mut stream: tokio::net::UnixStream,
+    sandbox_id: &str,
+    token: &str,
+) -> Result<tokio::net::UnixStream, String> {
+    let line = protocol::read_handshake_line(&mut stream)
+        .await
+        .map_err(|e| format!("reading hello: {e}"))?;
+    let hello: Hello =
+        serde_json::from_slice(&line).map_err(|e| format!("malformed hello: {e}"))?;
+    let refusal = if hello.protocol != protocol::PROTOCOL_VERSION {
+        Some(format!(
+            "protocol {} is not supported (want {})",
+            hello.protocol,
+            protocol::PROTOCOL_VERSION
+        ))
+    } else if hello.sandbox_id != sandbox_id || !constant_time_eq(&hello.token, token) {
+        Some("wrong sandbox id or token".to_string())
+    } else {
+        None
+    };
+    let reply = HelloReply {
+        ok: refusal.is_none(),
+        protocol: protocol::PROTOCOL_VERSION,
+        error: refusal.clone(),
+    };
+    let mut line = serde_json::to_vec(&reply).unwrap_or_default();
+    line.push(b'\n');
+    stream
+        .write_all(&line)
+        .await
+        .map_err(|e| format!("writing hello reply: {e}"))?;
+    match refusal {
+        Some(r) => Err(r),
+        None => Ok(stream),
+    }
+}
+
+async fn serve_connection(
+    stream: tokio::net::UnixStream,
+    sandbox_id: &str,
+    generation: u64,
+    conn: watch::Sender<Option<AgentConn>>,
+) {
+    let (sender, connection) =
+        match hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(stream))
+            .await
+        {
+            Ok(pair) => pair,
+            Err(e) => {
+                tracing::warn!(sandbox = %sandbox_id, error = %e, "HTTP/2 handshake with the agent failed");
+                return;
+            }
+        };
+    tracing::info!(sandbox = %sandbox_id, generation, "agent connected");
+    conn.send_replace(Some(AgentConn { sender, generation }));
+    if let Err(e) = connection.await {
+        tracing::info!(sandbox = %sandbox_id, generation, error = %e, "agent connection ended");
+    } else {
+        tracing::info!(sandbox = %sandbox_id, generation, "agent connection closed");
+    }
+    conn.send_if_modified(|current| match current {
+        Some(c) if c.generation == generation => {
+            *current = None;
+            true
+        }
+        _ => false,
+    });
+}
+
+fn constant_time_eq(a: &str, b: &str) -> bool {
+    let (a, b) = (a.as_bytes(), b.as_bytes());
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// Waits for a connection on `rx`, at most `timeout`.
+pub async fn wait_connected(
+    rx: &mut watch::Receiver<Option<AgentConn>>,
+    timeout: Duration,
+) -> Result<AgentConn, AgentError> {
+    let wait = rx.wait_for(|c| c.is_some());
+    match tokio::time::timeout(timeout, wait).await {
+        Ok(Ok(c)) => c.clone().ok_or(AgentError::NotConnected),
+        _ => Err(AgentError::NotConnected),
+    }
+}

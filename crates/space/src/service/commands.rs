@@ -1,0 +1,660 @@
+//! Command sessions: start a command through the agent, pump its output into
+//! the output files (acknowledging what is stored so the agent can drop it),
+//! record how it ended, and serve its output to readers from any offset.
+//!
+//! A session survives agent reconnects and server restarts: it re-attaches
+//! from the offsets it has stored. It ends `lost` (never as a success) when
+//! the sandbox goes away or the agent no longer knows the command.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use base64::Engine;
+use bytes::Bytes;
+use http::{Method, StatusCode};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use space_agent::protocol::{
+    ExitStatus, Frame, FrameDecoder, SignalRequest, SpawnReply, SpawnRequest, Stream,
+};
+use space_api::{
+    Command, CommandState, CreateCommandRequest, OutputChunk, OutputEnd, ProcessResult,
+    SandboxState,
+};
+use space_core::{new_id, now_rfc3339};
+use tokio::sync::{mpsc, watch};
+
+use super::agent::{self, AgentConn, AgentError};
+use super::output::{self, OutputProgress, OutputWriter, View};
+use super::{lock, validate_env, SandboxHandle, Service, ServiceError};
+
+/// How long a new command waits for the sandbox's agent to be connected.
+const SPAWN_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Inline output cap per stream for `wait:true`.
+const INLINE_OUTPUT_MAX: usize = 1 << 20;
+/// Data per NDJSON line.
+const STREAM_PIECE_MAX: usize = 64 * 1024;
+/// Upper bound on `timeout_seconds`.
+const MAX_TIMEOUT_SECONDS: u64 = 7 * 24 * 3600;
+
+/// A command whose session is live in this process.
+pub(crate) struct CommandHandle {
+    pub progress: watch::Sender<OutputProgress>,
+}
+
+#[derive(Default)]
+pub(crate) struct Registry {
+    live: Mutex<HashMap<String, Arc<CommandHandle>>>,
+    /// Serialises the move of a command into a terminal state.
+    finalize: Mutex<()>,
+}
+
+/// `GET …/output` parameters.
+#[derive(Debug, Clone, Copy)]
+pub struct CommandOutputQuery {
+    pub offset: u64,
+    pub follow: bool,
+    pub view: View,
+}
+
+/// How a session ended.
+enum Outcome {
+    Ended(ExitStatus),
+    Lost(String),
+}
+
+enum PumpEnd {
+    Exit(ExitStatus, mpsc::Sender<Bytes>),
+    /// The connection broke: try again on the next one.
+    Disconnected,
+    /// The sandbox is going away.
+    Closed,
+    /// The agent broke the protocol or storing failed: give up on this command.
+    Fatal(String),
+}
+
+impl Service {
+    /// `POST /v1/sandboxes/{id}/commands`.
+    pub async fn create_command(
+        &self,
+        sandbox_id: &str,
+        req: CreateCommandRequest,
+    ) -> Result<Command, ServiceError> {
+        let argv = match (req.argv, req.shell) {
+            (Some(argv), None) => argv,
+            (None, Some(shell)) => vec!["/bin/sh".into(), "-c".into(), shell],
+            _ => {
+                return Err(ServiceError::BadRequest(
+                    "give exactly one of argv and shell".into(),
+                ))
+            }
+        };
+        if argv.is_empty() || argv[0].is_empty() {
+            return Err(ServiceError::BadRequest("argv must not be empty".into()));
+        }
+        if req.pty.is_some() {
+            return Err(ServiceError::NotImplemented(
+                "pty is not supported yet".into(),
+            ));
+        }
+        if req.stdin == Some(true) {
+            return Err(ServiceError::NotImplemented(
+                "stdin is not supported yet".into(),
+            ));
+        }
+        let timeout = req.timeout_seconds.unwrap_or(0);
+        if timeout > MAX_TIMEOUT_SECONDS {
+            return Err(ServiceError::BadRequest(format!(
+                "timeout_seconds must be at most {MAX_TIMEOUT_SECONDS}"
+            )));
+        }
+        let cmd_env = req.env.unwrap_or_default();
+        validate_env(&cmd_env)?;
+        for (what, v) in [("cwd", &req.cwd), ("user", &req.user)] {
+            if v.as_ref().is_some_and(|v| v.is_empty() || v.len() > 4096 || v.contains('\0')) {
+                return Err(ServiceError::BadRequest(format!("invalid {what}")));
+            }
+        }
+
+        let rec = self.record(sandbox_id)?;
+        if rec.sandbox.state != SandboxState::Running {
+            return Err(ServiceError::Conflict(format!(
+                "sandbox {sandbox_id} is {}: commands run only in a running sandbox",
+                rec.sandbox.state
+            )));
+        }
+        let handle = self.live_handle(sandbox_id).ok_or_else(|| {
+            ServiceError::Conflict(format!("sandbox {sandbox_id} is not running"))
+        })?;
+
+        // Template env, then the sandbox's, then the command's.
+        let mut env: BTreeMap<String, String> = rec.template_env.iter().cloned().collect();
+        env.extend(rec.sandbox.env.clone());
+        env.extend(cmd_env);
+        let user = req.user.clone().or(rec.template_user.clone());
+        let cwd = req.cwd.clone().or(rec.template_workdir.clone());
+        let id = new_id("cmd");
+        let spawn = SpawnRequest {
+            id: id.clone(),
+            argv: argv.clone(),
+            env: env.into_iter().collect(),
+            cwd: cwd.clone(),
+            user: user.clone(),
+            timeout_ms: (timeout > 0).then(|| timeout * 1000),
+            stdin: false,
+        };
+        spawn
+            .validate()
+            .map_err(|e| ServiceError::BadRequest(e.to_string()))?;
+
+        let mut cmd = Command {
+            id: id.clone(),
+            sandbox_id: sandbox_id.to_string(),
+            state: CommandState::Starting,
+            argv,
+            cwd,
+            user,
+            created_at: now_rfc3339(),
+            ended_at: None,
+            result: None,
+            lost_reason: None,
+            output_url: format!("/v1/sandboxes/{sandbox_id}/commands/{id}/output"),
+            stdout: None,
+            stderr: None,
+            inline_truncated: None,
+        };
+        let dir = self.command_dir(sandbox_id, &id);
+        let writer = OutputWriter::open(&dir)
+            .map_err(|e| ServiceError::Internal(format!("creating output files: {e}")))?;
+        self.0.store.insert_command(&cmd)?;
+        let ch = self.register_command(&id, writer.progress());
+
+        let mut rx = handle.agent.subscribe();
+        let conn = match agent::wait_connected(&mut rx, SPAWN_CONNECT_TIMEOUT).await {
+            Ok(c) => c,
+            Err(e) => {
+                self.finalize_command(sandbox_id, &id, Outcome::Lost(e.to_string()));
+                return Err(e.into());
+            }
+        };
+        match conn
+            .json::<SpawnReply>(Method::POST, "/v1/commands", Some(&spawn))
+            .await
+        {
+            Ok(_) => {}
+            Err(AgentError::Status { status, message }) if status.is_client_error() => {
+                self.finalize_command(
+                    sandbox_id,
+                    &id,
+                    Outcome::Lost(format!("the agent refused the command: {message}")),
+                );
+                return Err(ServiceError::BadRequest(message));
+            }
+            // The agent may or may not have started it; the session finds out.
+            Err(e) => tracing::warn!(command = %id, error = %super::error_chain(&e), "spawn request failed"),
+        }
+        cmd.state = CommandState::Running;
+        self.0.store.update_command(&cmd)?;
+        tracing::info!(sandbox = %sandbox_id, command = %id, "command started");
+        self.spawn_session(handle, ch, writer, sandbox_id.to_string(), id.clone());
+
+        if req.wait == Some(true) {
+            let mut done = self.wait_command(sandbox_id, &id, None).await?;
+            let (stdout, out_cut) = read_inline(&dir.join("stdout"));
+            let (stderr, err_cut) = read_inline(&dir.join("stderr"));
+            done.stdout = Some(stdout);
+            done.stderr = Some(stderr);
+            done.inline_truncated = Some(out_cut || err_cut);
+            return Ok(done);
+        }
+        Ok(self.get_command(sandbox_id, &id)?)
+    }
+
+    fn command_dir(&self, sandbox_id: &str, id: &str) -> PathBuf {
+        output::command_dir(&self.outputs_root(), sandbox_id, id)
+    }
+
+    fn register_command(&self, id: &str, progress: OutputProgress) -> Arc<CommandHandle> {
+        let ch = Arc::new(CommandHandle {
+            progress: watch::channel(progress).0,
+        });
+        lock(&self.0.commands.live).insert(id.to_string(), ch.clone());
+        ch
+    }
+
+    /// Restarts the session of a command that was running when the server stopped.
+    pub(crate) fn resume_command_session(&self, handle: &Arc<SandboxHandle>, cmd: Command) {
+        let dir = self.command_dir(&cmd.sandbox_id, &cmd.id);
+        match OutputWriter::open(&dir) {
+            Ok(writer) => {
+                let ch = self.register_command(&cmd.id, writer.progress());
+                self.spawn_session(handle.clone(), ch, writer, cmd.sandbox_id, cmd.id);
+            }
+            Err(e) => self.finalize_command(
+                &cmd.sandbox_id,
+                &cmd.id,
+                Outcome::Lost(format!("its output files could not be opened: {e}")),
+            ),
+        }
+    }
+
+    fn spawn_session(
+        &self,
+        handle: Arc<SandboxHandle>,
+        ch: Arc<CommandHandle>,
+        writer: OutputWriter,
+        sandbox_id: String,
+        id: String,
+    ) {
+        let svc = self.clone();
+        tokio::spawn(async move {
+            let (outcome, done_tx) = session(&handle, &ch, writer, &id).await;
+            svc.finalize_command(&sandbox_id, &id, outcome);
+            if let Some(tx) = done_tx {
+                // The result is stored: the agent may forget the command.
+                let _ = tx.send(Frame::Done.to_bytes()).await;
+            }
+        });
+    }
+
+    /// Moves a command into its terminal state, once.
+    fn finalize_command(&self, sandbox_id: &str, id: &str, outcome: Outcome) {
+        let reg = &self.0.commands;
+        let _guard = lock(&reg.finalize);
+        let live = lock(&reg.live).remove(id);
+        let progress = live
+            .as_ref()
+            .map(|c| *c.progress.borrow())
+            .unwrap_or_else(|| output::stored_progress(&self.command_dir(sandbox_id, id)));
+        if let Ok(Some(mut cmd)) = self.0.store.get_command(sandbox_id, id) {
+            if !cmd.state.is_terminal() {
+                let now = now_rfc3339();
+                match outcome {
+                    Outcome::Ended(st) => {
+                        cmd.state = if st.timed_out {
+                            CommandState::TimedOut
+                        } else if st.signal.is_some() {
+                            CommandState::Killed
+                        } else {
+                            CommandState::Exited
+                        };
+                        cmd.result = Some(ProcessResult {
+                            exit_code: st.exit_code,
+                            signal: st.signal,
+                            timed_out: st.timed_out,
+                            oom_killed: false,
+                            duration_ms: st.duration_ms,
+                            stdout_bytes: progress.stdout,
+                            stderr_bytes: progress.stderr,
+                            output_truncated: false,
+                        });
+                    }
+                    Outcome::Lost(reason) => {
+                        cmd.state = CommandState::Lost;
+                        cmd.lost_reason = Some(reason);
+                    }
+                }
+                cmd.ended_at = Some(now);
+                if let Err(e) = self.0.store.update_command(&cmd) {
+                    tracing::error!(command = %id, error = %super::error_chain(&e), "storing a command result failed");
+                }
+                tracing::info!(sandbox = %sandbox_id, command = %id, state = %cmd.state, "command ended");
+            }
+        }
+        if let Some(ch) = live {
+            ch.progress.send_modify(|p| p.done = true);
+        }
+    }
+
+    /// Ends every unfinished command of a sandbox as `lost`.
+    pub(crate) fn lose_commands(&self, sandbox_id: &str, reason: &str) {
+        let Ok(cmds) = self.0.store.list_commands(sandbox_id) else {
+            return;
+        };
+        for cmd in cmds.into_iter().filter(|c| !c.state.is_terminal()) {
+            self.finalize_command(sandbox_id, &cmd.id, Outcome::Lost(reason.to_string()));
+        }
+    }
+
+    pub fn get_command(&self, sandbox_id: &str, id: &str) -> Result<Command, ServiceError> {
+        self.record(sandbox_id)?;
+        self.0
+            .store
+            .get_command(sandbox_id, id)?
+            .ok_or_else(|| ServiceError::NotFound(format!("no command {id} in sandbox {sandbox_id}")))
+    }
+
+    pub fn list_commands(&self, sandbox_id: &str) -> Result<Vec<Command>, ServiceError> {
+        self.record(sandbox_id)?;
+        Ok(self.0.store.list_commands(sandbox_id)?)
+    }
+
+    /// The command once it has ended, or as it is when `wait` runs out (`None`: no limit).
+    pub async fn wait_command(
+        &self,
+        sandbox_id: &str,
+        id: &str,
+        wait: Option<Duration>,
+    ) -> Result<Command, ServiceError> {
+        let cmd = self.get_command(sandbox_id, id)?;
+        if cmd.state.is_terminal() {
+            return Ok(cmd);
+        }
+        let live = lock(&self.0.commands.live).get(id).cloned();
+        if let Some(ch) = live {
+            let mut rx = ch.progress.subscribe();
+            let done = rx.wait_for(|p| p.done);
+            match wait {
+                Some(w) => {
+                    let _ = tokio::time::timeout(w, done).await;
+                }
+                None => {
+                    let _ = done.await;
+                }
+            }
+        }
+        self.get_command(sandbox_id, id)
+    }
+
+    /// `POST …/commands/{cid}/signal`.
+    pub async fn signal_command(
+        &self,
+        sandbox_id: &str,
+        id: &str,
+        signal: i32,
+    ) -> Result<Command, ServiceError> {
+        let cmd = self.get_command(sandbox_id, id)?;
+        if cmd.state.is_terminal() {
+            return Err(ServiceError::Conflict(format!(
+                "command {id} has already ended ({})",
+                cmd.state
+            )));
+        }
+        let handle = self
+            .live_handle(sandbox_id)
+            .ok_or_else(|| ServiceError::Conflict(format!("sandbox {sandbox_id} is not running")))?;
+        let mut rx = handle.agent.subscribe();
+        let conn = agent::wait_connected(&mut rx, SPAWN_CONNECT_TIMEOUT).await?;
+        match conn
+            .json::<serde_json::Value>(
+                Method::POST,
+                &format!("/v1/commands/{id}/signal"),
+                Some(&SignalRequest { signal }),
+            )
+            .await
+        {
+            Ok(_) => {}
+            Err(AgentError::Status { status, .. }) if status == StatusCode::CONFLICT => {}
+            Err(AgentError::Status { status, message }) if status.is_client_error() => {
+                return Err(ServiceError::BadRequest(message))
+            }
+            Err(e) => return Err(e.into()),
+        }
+        self.get_command(sandbox_id, id)
+    }
+
+    /// `GET …/output`: NDJSON lines, then `{"result":…}` once the command has ended.
+    pub fn command_output(
+        &self,
+        sandbox_id: &str,
+        id: &str,
+        q: CommandOutputQuery,
+    ) -> Result<mpsc::Receiver<Bytes>, ServiceError> {
+        self.get_command(sandbox_id, id)?;
+        let dir = self.command_dir(sandbox_id, id);
+        let live = lock(&self.0.commands.live).get(id).cloned();
+        let (tx, rx) = mpsc::channel::<Bytes>(8);
+        let svc = self.clone();
+        let (sandbox_id, id) = (sandbox_id.to_string(), id.to_string());
+        tokio::spawn(async move {
+            let mut progress_rx = live.as_ref().map(|ch| ch.progress.subscribe());
+            let mut offset = q.offset;
+            loop {
+                // Read the progress *before* the data so that `done` means "all of it".
+                let progress = match &mut progress_rx {
+                    Some(rx) => *rx.borrow_and_update(),
+                    None => {
+                        let terminal = svc
+                            .0
+                            .store
+                            .get_command(&sandbox_id, &id)
+                            .ok()
+                            .flatten()
+                            .is_some_and(|c| c.state.is_terminal());
+                        OutputProgress {
+                            done: terminal,
+                            ..output::stored_progress(&dir)
+                        }
+                    }
+                };
+                let upto = match q.view {
+                    View::Stdout => progress.stdout,
+                    View::Stderr => progress.stderr,
+                    View::Combined => progress.combined(),
+                };
+                while offset < upto {
+                    let pieces = {
+                        let dir = dir.clone();
+                        let (view, off) = (q.view, offset);
+                        tokio::task::spawn_blocking(move || {
+                            output::read_pieces(&dir, view, off, upto, 4 * STREAM_PIECE_MAX)
+                        })
+                        .await
+                    };
+                    let pieces = match pieces {
+                        Ok(Ok(p)) if !p.is_empty() => p,
+                        _ => return,
+                    };
+                    for piece in pieces {
+                        for (i, part) in piece.data.chunks(STREAM_PIECE_MAX).enumerate() {
+                            let chunk = OutputChunk {
+                                stream: match piece.stream {
+                                    Stream::Stdout => "stdout".into(),
+                                    Stream::Stderr => "stderr".into(),
+                                },
+                                offset: piece.offset + (i * STREAM_PIECE_MAX) as u64,
+                                data: base64::engine::general_purpose::STANDARD.encode(part),
+                            };
+                            if tx.send(ndjson(&chunk)).await.is_err() {
+                                return;
+                            }
+                            offset = chunk.offset + part.len() as u64;
+                        }
+                    }
+                }
+                if progress.done {
+                    if let Ok(Some(cmd)) = svc.0.store.get_command(&sandbox_id, &id) {
+                        if let Some(result) = cmd.result.clone() {
+                            let _ = tx.send(ndjson(&OutputEnd { result, state: cmd.state })).await;
+                        } else {
+                            let end = serde_json::json!({
+                                "result": null, "state": cmd.state, "lost_reason": cmd.lost_reason
+                            });
+                            let _ = tx.send(ndjson(&end)).await;
+                        }
+                    }
+                    return;
+                }
+                if !q.follow {
+                    return;
+                }
+                match &mut progress_rx {
+                    Some(rx) => {
+                        tokio::select! {
+                            r = rx.changed() => if r.is_err() { progress_rx = None; },
+                            _ = tx.closed() => return,
+                        }
+                    }
+                    // Not live here and not ended: nothing more will come in this process.
+                    None => return,
+                }
+            }
+        });
+        Ok(rx)
+    }
+}
+
+fn ndjson(v: &impl serde::Serialize) -> Bytes {
+    let mut line = serde_json::to_vec(v).unwrap_or_default();
+    line.push(b'\n');
+    Bytes::from(line)
+}
+
+fn read_inline(path: &std::path::Path) -> (String, bool) {
+    use std::io::Read;
+    let Ok(f) = std::fs::File::open(path) else {
+        return (String::new(), false);
+    };
+    let total = f.metadata().map(|m| m.len()).unwrap_or(0);
+    let mut buf = Vec::new();
+    let _ = f.take(INLINE_OUTPUT_MAX as u64).read_to_end(&mut buf);
+    (
+        String::from_utf8_lossy(&buf).into_owned(),
+        total > INLINE_OUTPUT_MAX as u64,
+    )
+}
+
+/// Drives one command until it ends or is lost; returns the sender to tell
+/// the agent it may forget the command once the result is stored.
+async fn session(
+    sb: &SandboxHandle,
+    ch: &CommandHandle,
+    mut writer: OutputWriter,
+    id: &str,
+) -> (Outcome, Option<mpsc::Sender<Bytes>>) {
+    let mut rx = sb.agent.subscribe();
+    loop {
+        let conn: AgentConn = tokio::select! {
+            c = rx.wait_for(|c| c.is_some()) => match c.ok().and_then(|c| c.clone()) {
+                Some(c) => c,
+                None => return (Outcome::Lost("the sandbox's agent connection went away".into()), None),
+            },
+            _ = sb.closed.cancelled() => return (Outcome::Lost("the sandbox went away".into()), None),
+        };
+        let p = writer.progress();
+        let end = match conn.attach(id, p.stdout, p.stderr).await {
+            Ok((tx, body)) => pump(body, tx, &mut writer, ch, sb).await,
+            Err(AgentError::Status { status, message }) if status == StatusCode::NOT_FOUND => {
+                let _ = message;
+                return (
+                    Outcome::Lost("the agent does not know this command any more".into()),
+                    None,
+                );
+            }
+            Err(AgentError::Status { status, message }) if status.is_client_error() => {
+                return (
+                    Outcome::Lost(format!("the agent refused to resume the output: {message}")),
+                    None,
+                );
+            }
+            Err(_) => PumpEnd::Disconnected,
+        };
+        match end {
+            PumpEnd::Exit(status, tx) => return (Outcome::Ended(status), Some(tx)),
+            PumpEnd::Closed => return (Outcome::Lost("the sandbox went away".into()), None),
+            PumpEnd::Fatal(reason) => return (Outcome::Lost(reason), None),
+            PumpEnd::Disconnected => {
+                // Wait for the next connection (not the broken one) or the end of the sandbox.
+                let gen = conn.generation;
+                tokio::select! {
+                    _ = rx.wait_for(|c| c.as_ref().map(|c| c.generation) != Some(gen)) => {}
+                    _ = sb.closed.cancelled() => return (Outcome::Lost("the sandbox went away".into()), None),
+                }
+            }
+        }
+    }
+}
+
+async fn pump(
+    mut body: Incoming,
+    tx: mpsc::Sender<Bytes>,
+    writer: &mut OutputWriter,
+    ch: &CommandHandle,
+    sb: &SandboxHandle,
+) -> PumpEnd {
+    let mut decoder = FrameDecoder::new();
+    loop {
+        let frame = tokio::select! {
+            f = body.frame() => f,
+            _ = sb.closed.cancelled() => return PumpEnd::Closed,
+        };
+        let data = match frame {
+            None => return PumpEnd::Disconnected,
+            Some(Err(_)) => return PumpEnd::Disconnected,
+            Some(Ok(f)) => match f.into_data() {
+                Ok(d) => d,
+                Err(_) => continue, // trailers
+            },
+        };
+        decoder.push(&data);
+        let mut wrote = false;
+        loop {
+            let frame = match decoder.next_frame() {
+                Ok(Some(f)) => f,
+                Ok(None) => break,
+                Err(e) => return PumpEnd::Fatal(format!("the agent broke the protocol: {e}")),
+            };
+            match frame {
+                Frame::Stdout { offset, data } => {
+                    if let Err(e) = append_checked(writer, Stream::Stdout, offset, &data) {
+                        return PumpEnd::Fatal(e);
+                    }
+                    wrote = true;
+                }
+                Frame::Stderr { offset, data } => {
+                    if let Err(e) = append_checked(writer, Stream::Stderr, offset, &data) {
+                        return PumpEnd::Fatal(e);
+                    }
+                    wrote = true;
+                }
+                Frame::Exit(status) => {
+                    if wrote {
+                        ch.progress.send_replace(OutputProgress {
+                            done: false,
+                            ..writer.progress()
+                        });
+                    }
+                    return PumpEnd::Exit(status, tx);
+                }
+                _ => {
+                    return PumpEnd::Fatal("the agent sent a host-only frame".into());
+                }
+            }
+        }
+        if wrote {
+            let p = writer.progress();
+            ch.progress.send_replace(OutputProgress { done: false, ..p });
+            let ack = Frame::Ack {
+                stdout: p.stdout,
+                stderr: p.stderr,
+            };
+            if tx.send(ack.to_bytes()).await.is_err() {
+                return PumpEnd::Disconnected;
+            }
+        }
+    }
+}
+
+/// Appends a chunk after checking it continues the stream exactly.
+fn append_checked(
+    writer: &mut OutputWriter,
+    stream: Stream,
+    offset: u64,
+    data: &[u8],
+) -> Result<(), String> {
+    let p = writer.progress();
+    let expected = match stream {
+        Stream::Stdout => p.stdout,
+        Stream::Stderr => p.stderr,
+    };
+    if offset != expected {
+        return Err(format!(
+            "the agent sent {stream:?} at offset {offset}, expected {expected}"
+        ));
+    }
+    writer
+        .append(stream, data)
+        .map_err(|e| format!("storing the output failed: {e}"))
+}

@@ -1,0 +1,976 @@
+//! The service layer: sandboxes, operations and commands, independent of HTTP.
+//!
+//! Every state change is written to the store before it is acted on. Lifecycle
+//! requests become operations that run as tasks, serialised per sandbox by a
+//! lifecycle lock. On start, [`Service::start`] reconciles the store with what
+//! really runs: live sandboxes are re-adopted (their agents dial back in),
+//! vanished ones are marked `failed`, half-done operations are finished or failed.
+
+pub mod agent;
+mod commands;
+pub mod output;
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use space_api::{
+    ApiError, CreateSandboxRequest, NetworkSpec, Operation, OperationKind, OperationStatus,
+    Resources, Sandbox, SandboxState,
+};
+use space_core::runtime::{Runtime, RuntimeError, RuntimeStatus, SandboxSpec};
+use space_core::{new_id, new_token, now_rfc3339, transition, InvalidTransition, SandboxEvent};
+use space_runtime::template::{TemplateError, TemplateStore};
+use space_store::{SandboxRecord, Store, StoreError};
+use tokio::sync::{watch, Semaphore};
+use tokio_util::sync::CancellationToken;
+
+use agent::{AgentConn, AgentError};
+pub use commands::CommandOutputQuery;
+
+/// How long a booted sandbox's agent may take to dial in.
+const AGENT_CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a re-adopted sandbox's agent may take to dial back in after a restart.
+const READOPT_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Everything the service needs to know at start.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub data_dir: PathBuf,
+    pub templates_dir: PathBuf,
+    /// Directory holding the static `space-agent` binary to mount into sandboxes.
+    pub agent_dir: PathBuf,
+    pub max_concurrent_creates: usize,
+    pub default_resources: Resources,
+}
+
+/// What went wrong, in terms an API caller can act on.
+#[derive(Debug, thiserror::Error)]
+pub enum ServiceError {
+    #[error("{0}")]
+    NotFound(String),
+    #[error("{0}")]
+    BadRequest(String),
+    #[error("{0}")]
+    Conflict(String),
+    #[error(transparent)]
+    InvalidTransition(#[from] InvalidTransition),
+    #[error("{0}")]
+    NotImplemented(String),
+    #[error("{0}")]
+    Unavailable(String),
+    #[error("storage failed")]
+    Store(#[from] StoreError),
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+pub type Result<T, E = ServiceError> = std::result::Result<T, E>;
+
+/// A sandbox the server is actively managing.
+pub(crate) struct SandboxHandle {
+    pub id: String,
+    /// Serialises lifecycle operations on this sandbox.
+    lifecycle: tokio::sync::Mutex<()>,
+    /// The current agent connection, if any.
+    pub agent: watch::Sender<Option<AgentConn>>,
+    /// Cancelled when the sandbox is being destroyed or has failed: command sessions end `lost`.
+    pub closed: CancellationToken,
+    listener: Mutex<Option<tokio::task::JoinHandle<()>>>,
+    /// The unfinished destroy operation, so a second one is refused.
+    destroy_op: Mutex<Option<String>>,
+}
+
+impl SandboxHandle {
+    fn new(id: &str) -> Arc<SandboxHandle> {
+        Arc::new(SandboxHandle {
+            id: id.to_string(),
+            lifecycle: tokio::sync::Mutex::new(()),
+            agent: watch::channel(None).0,
+            closed: CancellationToken::new(),
+            listener: Mutex::new(None),
+            destroy_op: Mutex::new(None),
+        })
+    }
+
+    fn stop_listener(&self) {
+        if let Some(task) = lock(&self.listener).take() {
+            task.abort();
+        }
+        self.agent.send_replace(None);
+    }
+}
+
+pub(crate) struct Inner {
+    pub cfg: Config,
+    pub store: Store,
+    pub runtime: Arc<dyn Runtime>,
+    pub templates: TemplateStore,
+    sandboxes: Mutex<HashMap<String, Arc<SandboxHandle>>>,
+    pub commands: commands::Registry,
+    /// Bumped on every operation change; long-polls wait on it.
+    op_version: watch::Sender<u64>,
+    create_slots: Semaphore,
+    /// Create operations still pending, with the token that cancels them.
+    pending_creates: Mutex<HashMap<String, CancellationToken>>,
+}
+
+/// The service. Cheap to clone.
+#[derive(Clone)]
+pub struct Service(pub(crate) Arc<Inner>);
+
+pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Service {
+    /// Opens the store and reconciles it with what really runs.
+    pub async fn start(cfg: Config, runtime: Arc<dyn Runtime>) -> anyhow::Result<Service> {
+        std::fs::create_dir_all(&cfg.data_dir)?;
+        std::fs::create_dir_all(cfg.data_dir.join("sandboxes"))?;
+        std::fs::create_dir_all(cfg.data_dir.join("outputs"))?;
+        let store = Store::open(&cfg.data_dir.join("space.db"))?;
+        let templates = TemplateStore::new(cfg.templates_dir.clone())?;
+        let slots = cfg.max_concurrent_creates.max(1);
+        let svc = Service(Arc::new(Inner {
+            cfg,
+            store,
+            runtime,
+            templates,
+            sandboxes: Mutex::new(HashMap::new()),
+            commands: commands::Registry::default(),
+            op_version: watch::channel(0).0,
+            create_slots: Semaphore::new(slots),
+            pending_creates: Mutex::new(HashMap::new()),
+        }));
+        svc.reconcile().await?;
+        Ok(svc)
+    }
+
+    pub fn templates(&self) -> &TemplateStore {
+        &self.0.templates
+    }
+
+    pub fn runtime_name(&self) -> &'static str {
+        self.0.runtime.name()
+    }
+
+    fn sandbox_dir(&self, id: &str) -> PathBuf {
+        self.0.cfg.data_dir.join("sandboxes").join(id)
+    }
+
+    pub(crate) fn outputs_root(&self) -> PathBuf {
+        self.0.cfg.data_dir.join("outputs")
+    }
+
+    fn handle(&self, id: &str) -> Arc<SandboxHandle> {
+        lock(&self.0.sandboxes)
+            .entry(id.to_string())
+            .or_insert_with(|| SandboxHandle::new(id))
+            .clone()
+    }
+
+    pub(crate) fn live_handle(&self, id: &str) -> Option<Arc<SandboxHandle>> {
+        lock(&self.0.sandboxes).get(id).cloned()
+    }
+
+    fn forget_handle(&self, id: &str) {
+        lock(&self.0.sandboxes).remove(id);
+    }
+
+    // ---- sandboxes ----
+
+    /// `POST /v1/sandboxes`: validates, records, and starts the create operation.
+    pub fn create_sandbox(&self, req: CreateSandboxRequest) -> Result<Operation> {
+        let template_name = req.template.trim().to_string();
+        let runtime = req.runtime.clone().unwrap_or_else(|| self.runtime_name().into());
+        if runtime != self.runtime_name() {
+            return Err(ServiceError::BadRequest(format!(
+                "unknown runtime {runtime:?}: this server runs {:?}",
+                self.runtime_name()
+            )));
+        }
+        let network = req.network.clone().unwrap_or(NetworkSpec {
+            mode: "none".into(),
+        });
+        if network.mode != "none" {
+            return Err(ServiceError::BadRequest(format!(
+                "network mode {:?} is not supported: only \"none\" is",
+                network.mode
+            )));
+        }
+        if req.ttl_seconds.is_some() || req.idle_timeout_seconds.is_some() {
+            return Err(ServiceError::NotImplemented(
+                "ttl_seconds and idle_timeout_seconds are not supported yet".into(),
+            ));
+        }
+        let env = req.env.clone().unwrap_or_default();
+        validate_env(&env)?;
+        let labels = req.labels.clone().unwrap_or_default();
+        validate_labels(&labels)?;
+        let resources = self.resolve_resources(req.resources.as_ref())?;
+        let template = match self.0.templates.get(&template_name) {
+            Ok(t) => t,
+            Err(TemplateError::UnknownTemplate(_)) | Err(TemplateError::InvalidName(_)) => {
+                return Err(ServiceError::NotFound(format!(
+                    "unknown template {template_name:?}"
+                )))
+            }
+            Err(e) => return Err(ServiceError::Internal(format!("template store: {e}"))),
+        };
+
+        let now = now_rfc3339();
+        let id = new_id("sb");
+        let rec = SandboxRecord {
+            sandbox: Sandbox {
+                id: id.clone(),
+                state: SandboxState::Creating,
+                template: template_name.clone(),
+                template_version: template
+                    .as_ref()
+                    .map(|t| t.version.clone())
+                    .unwrap_or_default(),
+                runtime,
+                labels,
+                resources,
+                env,
+                network,
+                created_at: now.clone(),
+                updated_at: now.clone(),
+                expires_at: None,
+                failure_reason: None,
+            },
+            agent_token: new_token(),
+            rootfs: template
+                .as_ref()
+                .map(|t| t.rootfs.to_string_lossy().into_owned())
+                .unwrap_or_default(),
+            template_env: template.as_ref().map(|t| t.env.clone()).unwrap_or_default(),
+            template_user: template.as_ref().and_then(|t| t.user.clone()),
+            template_workdir: template.as_ref().and_then(|t| t.workdir.clone()),
+        };
+        let op = new_operation(OperationKind::Create, Some(&id));
+        self.0.store.insert_sandbox(&rec, &op)?;
+        self.op_changed();
+        let cancel = CancellationToken::new();
+        lock(&self.0.pending_creates).insert(op.id.clone(), cancel.clone());
+        let handle = self.handle(&id);
+        tracing::info!(sandbox = %id, operation = %op.id, template = %template_name, "create requested");
+        let svc = self.clone();
+        let op_id = op.id.clone();
+        tokio::spawn(async move { svc.run_create(handle, op_id, cancel).await });
+        Ok(op)
+    }
+
+    fn resolve_resources(&self, req: Option<&Resources>) -> Result<Resources> {
+        let d = &self.0.cfg.default_resources;
+        let r = Resources {
+            vcpus: req.and_then(|r| r.vcpus).or(d.vcpus),
+            memory_mib: req.and_then(|r| r.memory_mib).or(d.memory_mib),
+            disk_mib: req.and_then(|r| r.disk_mib).or(d.disk_mib),
+            pids: req.and_then(|r| r.pids).or(d.pids),
+        };
+        let check = |name: &str, v: Option<u64>, lo: u64, hi: u64| match v {
+            Some(v) if v < lo || v > hi => Err(ServiceError::BadRequest(format!(
+                "resources.{name} must be between {lo} and {hi}, got {v}"
+            ))),
+            _ => Ok(()),
+        };
+        check("vcpus", r.vcpus.map(u64::from), 1, 64)?;
+        check("memory_mib", r.memory_mib, 64, 1 << 20)?;
+        check("disk_mib", r.disk_mib, 64, 1 << 24)?;
+        check("pids", r.pids, 16, 1 << 22)?;
+        Ok(r)
+    }
+
+    async fn run_create(&self, handle: Arc<SandboxHandle>, op_id: String, cancel: CancellationToken) {
+        // Wait for a create slot; the operation is `pending` meanwhile and can be cancelled.
+        let permit = tokio::select! {
+            p = self.0.create_slots.acquire() => p.ok(),
+            _ = cancel.cancelled() => None,
+        };
+        if lock(&self.0.pending_creates).remove(&op_id).is_none() || permit.is_none() {
+            return; // Cancelled: the canceller recorded everything.
+        }
+        let _lifecycle = handle.lifecycle.lock().await;
+        let result = self.create_steps(&handle, &op_id).await;
+        drop(permit);
+        match result {
+            Ok(()) => {}
+            Err(e) => {
+                tracing::warn!(sandbox = %handle.id, operation = %op_id, error = %e.message, "create failed");
+                self.fail_sandbox(&handle, &e.message).await;
+                let _ = self.finish_op(&op_id, Some(e));
+            }
+        }
+    }
+
+    async fn create_steps(&self, handle: &Arc<SandboxHandle>, op_id: &str) -> Result<(), ApiError> {
+        let id = &handle.id;
+        self.update_op(op_id, |op| {
+            op.status = OperationStatus::Running;
+            op.progress = Some("preparing the template".into());
+        })
+        .map_err(internal)?;
+        let mut rec = self.record(id).map_err(internal)?;
+        let progress_svc = self.clone();
+        let progress_op = op_id.to_string();
+        let progress = move |line: String| {
+            let _ = progress_svc.update_op(&progress_op, |op| op.progress = Some(line.clone()));
+        };
+        let template = self
+            .0
+            .templates
+            .ensure(&rec.sandbox.template, &progress)
+            .await
+            .map_err(|e| ApiError::new("template_unavailable", e.to_string()))?;
+        rec.sandbox.template_version = template.version.clone();
+        rec.rootfs = template.rootfs.to_string_lossy().into_owned();
+        rec.template_env = template.env.clone();
+        rec.template_user = template.user.clone();
+        rec.template_workdir = template.workdir.clone();
+        self.0.store.update_sandbox(&rec).map_err(internal)?;
+
+        self.update_op(op_id, |op| op.progress = Some("booting the sandbox".into()))
+            .map_err(internal)?;
+        let dir = self.sandbox_dir(id);
+        let run_dir = dir.join("run");
+        std::fs::create_dir_all(&run_dir)
+            .map_err(|e| ApiError::new("internal", format!("creating {}: {e}", run_dir.display())))?;
+        write_secret(&run_dir.join("token"), &rec.agent_token)
+            .map_err(|e| ApiError::new("internal", format!("writing the agent token: {e}")))?;
+        self.start_listener(handle, &rec)
+            .map_err(|e| ApiError::new("internal", format!("listening for the agent: {e}")))?;
+        let spec = SandboxSpec {
+            id: id.clone(),
+            rootfs: template.rootfs.clone(),
+            state_dir: dir.clone(),
+            run_dir,
+            agent_dir: self.0.cfg.agent_dir.clone(),
+            agent_env: vec![
+                ("SPACE_SANDBOX_ID".into(), id.clone()),
+                ("SPACE_AGENT_SOCKET".into(), "/.space/run/agent.sock".into()),
+                ("SPACE_AGENT_TOKEN_FILE".into(), "/.space/run/token".into()),
+                ("PATH".into(), "/usr/sbin:/usr/bin:/sbin:/bin".into()),
+            ],
+            vcpus: rec.sandbox.resources.vcpus.unwrap_or(0),
+            memory_mib: rec.sandbox.resources.memory_mib.unwrap_or(0),
+            pids: rec.sandbox.resources.pids.unwrap_or(0),
+            hostname: id.replace('_', "-"),
+        };
+        self.0
+            .runtime
+            .create(&spec)
+            .await
+            .map_err(|e| ApiError::new("runtime_failed", error_chain(&e)))?;
+        self.update_op(op_id, |op| op.progress = Some("waiting for the agent".into()))
+            .map_err(internal)?;
+        let mut rx = handle.agent.subscribe();
+        agent::wait_connected(&mut rx, AGENT_CONNECT_TIMEOUT)
+            .await
+            .map_err(|_| {
+                ApiError::new(
+                    "agent_timeout",
+                    format!(
+                        "the sandbox's agent did not connect within {}s",
+                        AGENT_CONNECT_TIMEOUT.as_secs()
+                    ),
+                )
+            })?;
+        let mut rec = self.record(id).map_err(internal)?;
+        rec.sandbox.state = transition(rec.sandbox.state, SandboxEvent::Ready)
+            .map_err(|e| ApiError::new("conflict", e.to_string()))?;
+        rec.sandbox.updated_at = now_rfc3339();
+        let mut op = self.operation(op_id).map_err(internal)?;
+        op.status = OperationStatus::Succeeded;
+        op.progress = Some("ready".into());
+        op.updated_at = now_rfc3339();
+        self.0.store.update_sandbox_and_op(&rec, &op).map_err(internal)?;
+        self.op_changed();
+        tracing::info!(sandbox = %id, operation = %op_id, "sandbox running");
+        Ok(())
+    }
+
+    fn start_listener(&self, handle: &Arc<SandboxHandle>, rec: &SandboxRecord) -> std::io::Result<()> {
+        let socket = self.sandbox_dir(&handle.id).join("run").join("agent.sock");
+        if socket.as_os_str().len() >= 108 {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!(
+                    "socket path {} is too long for a Unix socket: use a shorter --data-dir",
+                    socket.display()
+                ),
+            ));
+        }
+        let task = agent::listen(
+            handle.id.clone(),
+            rec.agent_token.clone(),
+            &socket,
+            handle.agent.clone(),
+        )?;
+        if let Some(old) = lock(&handle.listener).replace(task) {
+            old.abort();
+        }
+        Ok(())
+    }
+
+    /// Marks a sandbox failed and releases everything it holds.
+    async fn fail_sandbox(&self, handle: &Arc<SandboxHandle>, reason: &str) {
+        handle.closed.cancel();
+        handle.stop_listener();
+        if let Err(e) = self
+            .0
+            .runtime
+            .destroy(&handle.id, &self.sandbox_dir(&handle.id))
+            .await
+        {
+            tracing::error!(sandbox = %handle.id, error = %error_chain(&e), "cleaning up a failed sandbox failed");
+        }
+        self.lose_commands(&handle.id, "the sandbox failed");
+        if let Ok(mut rec) = self.record(&handle.id) {
+            if let Ok(next) = transition(rec.sandbox.state, SandboxEvent::Failed) {
+                rec.sandbox.state = next;
+                rec.sandbox.failure_reason = Some(reason.to_string());
+                rec.sandbox.updated_at = now_rfc3339();
+                let _ = self.0.store.update_sandbox(&rec);
+            }
+        }
+        self.forget_handle(&handle.id);
+    }
+
+    pub fn get_sandbox(&self, id: &str) -> Result<Sandbox> {
+        Ok(self.record(id)?.sandbox)
+    }
+
+    pub(crate) fn record(&self, id: &str) -> Result<SandboxRecord> {
+        self.0
+            .store
+            .get_sandbox(id)?
+            .ok_or_else(|| ServiceError::NotFound(format!("no sandbox {id}")))
+    }
+
+    /// Every sandbox, optionally only those carrying all of `labels`.
+    pub fn list_sandboxes(&self, labels: &[(String, String)]) -> Result<Vec<Sandbox>> {
+        Ok(self
+            .0
+            .store
+            .list_sandboxes()?
+            .into_iter()
+            .map(|r| r.sandbox)
+            .filter(|s| labels.iter().all(|(k, v)| s.labels.get(k) == Some(v)))
+            .collect())
+    }
+
+    /// `DELETE /v1/sandboxes/{id}`.
+    pub fn destroy_sandbox(&self, id: &str) -> Result<Operation> {
+        let rec = self.record(id)?;
+        transition(rec.sandbox.state, SandboxEvent::DestroyRequested)?;
+        let handle = self.handle(id);
+        let op = {
+            let mut pending = lock(&handle.destroy_op);
+            if let Some(existing) = pending.as_ref() {
+                return Err(ServiceError::Conflict(format!(
+                    "sandbox {id} is already being destroyed by operation {existing}"
+                )));
+            }
+            let op = new_operation(OperationKind::Destroy, Some(id));
+            self.0.store.insert_operation(&op)?;
+            *pending = Some(op.id.clone());
+            op
+        };
+        self.op_changed();
+        tracing::info!(sandbox = %id, operation = %op.id, "destroy requested");
+        let svc = self.clone();
+        let op_id = op.id.clone();
+        tokio::spawn(async move { svc.run_destroy(handle, op_id).await });
+        Ok(op)
+    }
+
+    async fn run_destroy(&self, handle: Arc<SandboxHandle>, op_id: String) {
+        let _lifecycle = handle.lifecycle.lock().await;
+        let result = self.destroy_steps(&handle, &op_id).await;
+        lock(&handle.destroy_op).take();
+        if let Err(e) = &result {
+            tracing::warn!(sandbox = %handle.id, operation = %op_id, error = %e.message, "destroy failed");
+            if let Ok(mut rec) = self.record(&handle.id) {
+                rec.sandbox.state = SandboxState::Failed;
+                rec.sandbox.failure_reason = Some(format!("destroy failed: {}", e.message));
+                rec.sandbox.updated_at = now_rfc3339();
+                let _ = self.0.store.update_sandbox(&rec);
+            }
+        }
+        let _ = self.finish_op(&op_id, result.err());
+    }
+
+    async fn destroy_steps(&self, handle: &Arc<SandboxHandle>, op_id: &str) -> Result<(), ApiError> {
+        let id = &handle.id;
+        let mut rec = self.record(id).map_err(internal)?;
+        if rec.sandbox.state != SandboxState::Destroying {
+            rec.sandbox.state = transition(rec.sandbox.state, SandboxEvent::DestroyRequested)
+                .map_err(|e| ApiError::new("conflict", e.to_string()))?;
+        }
+        rec.sandbox.updated_at = now_rfc3339();
+        let mut op = self.operation(op_id).map_err(internal)?;
+        op.status = OperationStatus::Running;
+        op.progress = Some("stopping the sandbox".into());
+        op.updated_at = now_rfc3339();
+        self.0.store.update_sandbox_and_op(&rec, &op).map_err(internal)?;
+        self.op_changed();
+
+        handle.closed.cancel();
+        handle.stop_listener();
+        self.lose_commands(id, "the sandbox was destroyed");
+        self.0
+            .runtime
+            .destroy(id, &self.sandbox_dir(id))
+            .await
+            .map_err(|e| ApiError::new("runtime_failed", error_chain(&e)))?;
+        let mut rec = self.record(id).map_err(internal)?;
+        rec.sandbox.state = transition(rec.sandbox.state, SandboxEvent::Destroyed)
+            .map_err(|e| ApiError::new("conflict", e.to_string()))?;
+        rec.sandbox.updated_at = now_rfc3339();
+        self.0.store.update_sandbox(&rec).map_err(internal)?;
+        self.forget_handle(id);
+        tracing::info!(sandbox = %id, operation = %op_id, "sandbox destroyed");
+        Ok(())
+    }
+
+    /// `POST /v1/sandboxes/{id}/pause` and `/resume`.
+    pub fn pause_or_resume(&self, id: &str, pause: bool) -> Result<Operation> {
+        let rec = self.record(id)?;
+        let event = if pause {
+            SandboxEvent::PauseRequested
+        } else {
+            SandboxEvent::ResumeRequested
+        };
+        let next = transition(rec.sandbox.state, event)?;
+        if rec.sandbox.state == SandboxState::Suspended {
+            return Err(ServiceError::NotImplemented(
+                "resuming a suspended sandbox is not supported yet".into(),
+            ));
+        }
+        let handle = self.live_handle(id).ok_or_else(|| {
+            ServiceError::Conflict(format!("sandbox {id} is not managed by this server"))
+        })?;
+        let kind = if pause {
+            OperationKind::Pause
+        } else {
+            OperationKind::Resume
+        };
+        let op = new_operation(kind, Some(id));
+        let mut rec = rec;
+        rec.sandbox.state = next;
+        rec.sandbox.updated_at = now_rfc3339();
+        self.0.store.update_sandbox_and_op(&rec, &op)?;
+        self.op_changed();
+        let svc = self.clone();
+        let op_id = op.id.clone();
+        tokio::spawn(async move {
+            let _lifecycle = handle.lifecycle.lock().await;
+            let _ = svc.update_op(&op_id, |op| op.status = OperationStatus::Running);
+            let result = if pause {
+                svc.0.runtime.pause(&handle.id).await
+            } else {
+                svc.0.runtime.resume(&handle.id).await
+            };
+            let done = if pause {
+                SandboxEvent::Paused
+            } else {
+                SandboxEvent::Resumed
+            };
+            let err = match result {
+                Ok(()) => {
+                    if let Ok(mut rec) = svc.record(&handle.id) {
+                        if let Ok(next) = transition(rec.sandbox.state, done) {
+                            rec.sandbox.state = next;
+                            rec.sandbox.updated_at = now_rfc3339();
+                            let _ = svc.0.store.update_sandbox(&rec);
+                        }
+                    }
+                    None
+                }
+                Err(e) => {
+                    let err = ApiError::new("runtime_failed", error_chain(&e));
+                    svc.fail_sandbox(&handle, &err.message).await;
+                    Some(err)
+                }
+            };
+            let _ = svc.finish_op(&op_id, err);
+        });
+        Ok(op)
+    }
+
+    /// `POST /v1/sandboxes/{id}/suspend`: checked, then refused until snapshots exist.
+    pub fn suspend(&self, id: &str) -> Result<Operation> {
+        let rec = self.record(id)?;
+        transition(rec.sandbox.state, SandboxEvent::SuspendRequested)?;
+        Err(ServiceError::NotImplemented(
+            "suspend to a snapshot is not supported yet; use pause".into(),
+        ))
+    }
+
+    // ---- operations ----
+
+    pub fn operation(&self, id: &str) -> Result<Operation> {
+        self.0
+            .store
+            .get_operation(id)?
+            .ok_or_else(|| ServiceError::NotFound(format!("no operation {id}")))
+    }
+
+    pub fn list_operations(&self, sandbox_id: Option<&str>, limit: usize) -> Result<Vec<Operation>> {
+        Ok(self.0.store.list_operations(sandbox_id, limit)?)
+    }
+
+    /// The operation once it has ended, or as it is after `wait`.
+    pub async fn wait_operation(&self, id: &str, wait: Duration) -> Result<Operation> {
+        let mut rx = self.0.op_version.subscribe();
+        let deadline = tokio::time::Instant::now() + wait;
+        loop {
+            rx.borrow_and_update();
+            let op = self.operation(id)?;
+            if op.status.is_terminal() || wait.is_zero() {
+                return Ok(op);
+            }
+            match tokio::time::timeout_at(deadline, rx.changed()).await {
+                Ok(Ok(())) => continue,
+                _ => return self.operation(id),
+            }
+        }
+    }
+
+    /// `POST /v1/operations/{id}/cancel`: only a create that has not started can be cancelled.
+    pub fn cancel_operation(&self, id: &str) -> Result<Operation> {
+        let op = self.operation(id)?;
+        if op.status.is_terminal() {
+            return Err(ServiceError::Conflict(format!(
+                "operation {id} has already ended ({})",
+                op.status
+            )));
+        }
+        let token = if op.kind == OperationKind::Create {
+            lock(&self.0.pending_creates).remove(id)
+        } else {
+            None
+        };
+        let Some(token) = token else {
+            return Err(ServiceError::Conflict(format!(
+                "operation {id} is {} and cannot be cancelled: only a create that is still pending can; \
+                 destroy the sandbox instead",
+                op.status
+            )));
+        };
+        token.cancel();
+        let mut op = op;
+        op.status = OperationStatus::Cancelled;
+        op.error = Some(ApiError::new("cancelled", "the operation was cancelled"));
+        op.updated_at = now_rfc3339();
+        if let Some(sb) = op.sandbox_id.as_deref() {
+            let mut rec = self.record(sb)?;
+            rec.sandbox.state = SandboxState::Destroyed;
+            rec.sandbox.failure_reason = Some("create cancelled".into());
+            rec.sandbox.updated_at = now_rfc3339();
+            self.0.store.update_sandbox_and_op(&rec, &op)?;
+            self.forget_handle(sb);
+        } else {
+            self.0.store.update_operation(&op)?;
+        }
+        self.op_changed();
+        tracing::info!(operation = %id, "create cancelled");
+        Ok(op)
+    }
+
+    fn update_op(&self, id: &str, f: impl FnOnce(&mut Operation)) -> Result<Operation> {
+        let mut op = self.operation(id)?;
+        f(&mut op);
+        op.updated_at = now_rfc3339();
+        self.0.store.update_operation(&op)?;
+        self.op_changed();
+        Ok(op)
+    }
+
+    fn finish_op(&self, id: &str, error: Option<ApiError>) -> Result<Operation> {
+        self.update_op(id, |op| {
+            op.status = if error.is_some() {
+                OperationStatus::Failed
+            } else {
+                OperationStatus::Succeeded
+            };
+            if error.is_none() {
+                op.progress = Some("done".into());
+            }
+            op.error = error;
+        })
+    }
+
+    fn op_changed(&self) {
+        self.0.op_version.send_modify(|v| *v = v.wrapping_add(1));
+    }
+
+    // ---- restart ----
+
+    /// Brings the store in line with reality after a start (or a crash).
+    async fn reconcile(&self) -> anyhow::Result<()> {
+        let records = self.0.store.list_sandboxes()?;
+        let mut keep: Vec<String> = Vec::new();
+        for rec in records {
+            let id = rec.sandbox.id.clone();
+            match rec.sandbox.state {
+                SandboxState::Destroyed => {}
+                SandboxState::Failed => {
+                    self.lose_commands(&id, "the sandbox failed");
+                }
+                SandboxState::Creating => {
+                    let handle = self.handle(&id);
+                    self.fail_sandbox(&handle, "the server restarted while the sandbox was being created")
+                        .await;
+                }
+                SandboxState::Destroying => {
+                    keep.push(id.clone());
+                }
+                _ => {
+                    let status = self.0.runtime.status(&id).await.unwrap_or(RuntimeStatus::Missing);
+                    match status {
+                        RuntimeStatus::Running | RuntimeStatus::Paused => {
+                            let mut rec = rec.clone();
+                            rec.sandbox.state = if status == RuntimeStatus::Running {
+                                SandboxState::Running
+                            } else {
+                                SandboxState::Paused
+                            };
+                            rec.sandbox.updated_at = now_rfc3339();
+                            self.0.store.update_sandbox(&rec)?;
+                            self.adopt(&rec)?;
+                            keep.push(id);
+                        }
+                        _ => {
+                            let handle = self.handle(&id);
+                            tracing::warn!(sandbox = %id, "sandbox vanished while the server was down");
+                            self.fail_sandbox(&handle, "the sandbox vanished while the server was down")
+                                .await;
+                        }
+                    }
+                }
+            }
+        }
+        // Operations that were under way when the server stopped.
+        for op in self.0.store.unfinished_operations()? {
+            let sandbox = op.sandbox_id.as_deref().and_then(|s| self.record(s).ok());
+            match (op.kind, sandbox) {
+                (OperationKind::Destroy, Some(rec)) if rec.sandbox.state != SandboxState::Destroyed => {
+                    let handle = self.handle(&rec.sandbox.id);
+                    *lock(&handle.destroy_op) = Some(op.id.clone());
+                    let svc = self.clone();
+                    let op_id = op.id.clone();
+                    // Finish it before serving: destroy must always complete.
+                    svc.run_destroy(handle, op_id).await;
+                }
+                (OperationKind::Destroy, Some(_)) => {
+                    self.finish_op(&op.id, None)?;
+                }
+                (OperationKind::Pause | OperationKind::Resume, Some(rec))
+                    if matches!(
+                        (op.kind, rec.sandbox.state),
+                        (OperationKind::Pause, SandboxState::Paused)
+                            | (OperationKind::Resume, SandboxState::Running)
+                    ) =>
+                {
+                    self.finish_op(&op.id, None)?;
+                }
+                _ => {
+                    self.finish_op(
+                        &op.id,
+                        Some(ApiError::new(
+                            "interrupted",
+                            "the server restarted before the operation finished",
+                        )),
+                    )?;
+                }
+            }
+        }
+        // Sandboxes left in `destroying` without an operation (should not happen) are finished too.
+        for id in keep {
+            if let Ok(rec) = self.record(&id) {
+                if rec.sandbox.state == SandboxState::Destroying {
+                    let op = new_operation(OperationKind::Destroy, Some(&id));
+                    self.0.store.insert_operation(&op)?;
+                    let handle = self.handle(&id);
+                    self.run_destroy(handle, op.id).await;
+                }
+            }
+        }
+        // Leftovers the store does not know as live: containers and directories.
+        let live: Vec<String> = lock(&self.0.sandboxes).keys().cloned().collect();
+        for cid in self.0.runtime.list().await.unwrap_or_default() {
+            if !live.contains(&cid) {
+                tracing::warn!(sandbox = %cid, "removing a leftover container");
+                let _ = self.0.runtime.destroy(&cid, &self.sandbox_dir(&cid)).await;
+            }
+        }
+        if let Ok(entries) = std::fs::read_dir(self.0.cfg.data_dir.join("sandboxes")) {
+            for e in entries.flatten() {
+                let name = e.file_name().to_string_lossy().into_owned();
+                if !live.contains(&name) {
+                    let _ = std::fs::remove_dir_all(e.path());
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Takes over a sandbox that kept running while the server was down.
+    fn adopt(&self, rec: &SandboxRecord) -> anyhow::Result<()> {
+        let handle = self.handle(&rec.sandbox.id);
+        self.start_listener(&handle, rec)?;
+        tracing::info!(sandbox = %rec.sandbox.id, "re-adopting sandbox; waiting for its agent");
+        for cmd in self.0.store.list_commands(&rec.sandbox.id)? {
+            if !cmd.state.is_terminal() {
+                self.resume_command_session(&handle, cmd);
+            }
+        }
+        if rec.sandbox.state == SandboxState::Running {
+            let svc = self.clone();
+            tokio::spawn(async move {
+                let mut rx = handle.agent.subscribe();
+                let connected = tokio::select! {
+                    r = agent::wait_connected(&mut rx, READOPT_TIMEOUT) => r.is_ok(),
+                    _ = handle.closed.cancelled() => true,
+                };
+                if !connected {
+                    tracing::warn!(sandbox = %handle.id, "agent did not reconnect after restart");
+                    let _guard = handle.lifecycle.lock().await;
+                    if svc.record(&handle.id).map(|r| r.sandbox.state == SandboxState::Running).unwrap_or(false) {
+                        svc.fail_sandbox(&handle, "the agent did not reconnect after a server restart")
+                            .await;
+                    }
+                }
+            });
+        }
+        Ok(())
+    }
+}
+
+fn new_operation(kind: OperationKind, sandbox_id: Option<&str>) -> Operation {
+    let now = now_rfc3339();
+    Operation {
+        id: new_id("op"),
+        kind,
+        status: OperationStatus::Pending,
+        sandbox_id: sandbox_id.map(str::to_owned),
+        error: None,
+        progress: None,
+        created_at: now.clone(),
+        updated_at: now,
+    }
+}
+
+fn internal(e: impl Into<ServiceError>) -> ApiError {
+    ApiError::new("internal", error_chain(&e.into()))
+}
+
+/// An error and its causes on one line.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(c) = src {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        src = c.source();
+    }
+    s
+}
+
+fn write_secret(path: &std::path::Path, secret: &str) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .write(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)?;
+    f.write_all(secret.as_bytes())?;
+    f.sync_all()
+}
+
+/// Bounds shared by sandbox and command environments.
+pub(crate) fn validate_env(env: &BTreeMap<String, String>) -> Result<()> {
+    if env.len() > 1024 {
+        return Err(ServiceError::BadRequest(
+            "at most 1024 environment variables".into(),
+        ));
+    }
+    let mut total = 0usize;
+    for (k, v) in env {
+        let valid_name = !k.is_empty()
+            && k.len() <= 256
+            && !k.contains('=')
+            && !k.contains('\0')
+            && !k.bytes().next().is_some_and(|b| b.is_ascii_digit());
+        if !valid_name {
+            return Err(ServiceError::BadRequest(format!(
+                "invalid environment variable name {:?}",
+                truncate(k, 64)
+            )));
+        }
+        if v.contains('\0') {
+            return Err(ServiceError::BadRequest(format!(
+                "environment variable {k} contains a NUL byte"
+            )));
+        }
+        total += k.len() + v.len();
+    }
+    if total > 256 * 1024 {
+        return Err(ServiceError::BadRequest(
+            "environment larger than 256 KiB".into(),
+        ));
+    }
+    Ok(())
+}
+
+fn validate_labels(labels: &BTreeMap<String, String>) -> Result<()> {
+    if labels.len() > 64 {
+        return Err(ServiceError::BadRequest("at most 64 labels".into()));
+    }
+    for (k, v) in labels {
+        let ok_key = !k.is_empty()
+            && k.len() <= 63
+            && k
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"-_./".contains(&b));
+        if !ok_key || v.len() > 256 || v.contains('\0') {
+            return Err(ServiceError::BadRequest(format!(
+                "invalid label {:?}: keys are 1-63 characters of [A-Za-z0-9-_./], values at most 256 bytes",
+                truncate(k, 64)
+            )));
+        }
+    }
+    Ok(())
+}
+
+pub(crate) fn truncate(s: &str, max: usize) -> &str {
+    if s.len() <= max {
+        return s;
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
+impl From<AgentError> for ServiceError {
+    fn from(e: AgentError) -> Self {
+        match e {
+            AgentError::NotConnected => ServiceError::Unavailable(e.to_string()),
+            other => ServiceError::Internal(error_chain(&other)),
+        }
+    }
+}
+
+impl From<RuntimeError> for ServiceError {
+    fn from(e: RuntimeError) -> Self {
+        ServiceError::Internal(error_chain(&e))
+    }
+}
