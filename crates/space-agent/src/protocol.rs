@@ -146,7 +146,11 @@ impl SpawnRequest {
         if self.argv.iter().any(|a| a.len() > MAX_ARG_BYTES) {
             return Err(SpawnRequestError::TooLong);
         }
-        if self.env.iter().any(|(k, _)| k.is_empty() || k.contains('=')) {
+        if self
+            .env
+            .iter()
+            .any(|(k, _)| k.is_empty() || k.contains('='))
+        {
             return Err(SpawnRequestError::BadEnvName);
         }
         Ok(())
@@ -241,12 +245,21 @@ pub enum Stream {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Frame {
     /// Agent → host: output bytes that start at `offset` of the stream.
-    Stdout { offset: u64, data: Bytes },
-    Stderr { offset: u64, data: Bytes },
+    Stdout {
+        offset: u64,
+        data: Bytes,
+    },
+    Stderr {
+        offset: u64,
+        data: Bytes,
+    },
     /// Agent → host: the command ended and all of its output was sent.
     Exit(ExitStatus),
     /// Host → agent: everything below these offsets is stored; the agent may drop it.
-    Ack { stdout: u64, stderr: u64 },
+    Ack {
+        stdout: u64,
+        stderr: u64,
+    },
     /// Host → agent: bytes for the command's stdin.
     Stdin(Bytes),
     /// Host → agent: close the command's stdin.
@@ -383,9 +396,9 @@ impl FrameDecoder {
                     }
                 }
             }
-            T_EXIT => Frame::Exit(
-                serde_json::from_slice(&payload).map_err(|_| FrameError::Malformed(t))?,
-            ),
+            T_EXIT => {
+                Frame::Exit(serde_json::from_slice(&payload).map_err(|_| FrameError::Malformed(t))?)
+            }
             T_ACK => {
                 if payload.len() != 16 {
                     return Err(FrameError::Malformed(t));

@@ -50,6 +50,10 @@ impl GvisorRuntime {
     fn command(&self, args: &[&str]) -> Command {
         let mut cmd = Command::new(&self.runsc);
         cmd.arg("--root").arg(&self.state_root);
+        // runsc reads its global flags on every call, not only at create.
+        cmd.arg(format!("--platform={}", self.platform))
+            .arg("--network=none")
+            .arg("--host-uds=open");
         cmd.args(args);
         cmd.stdin(Stdio::null());
         cmd.kill_on_drop(false);
@@ -67,7 +71,13 @@ impl GvisorRuntime {
             Ok(out.stdout)
         } else {
             Err(RuntimeError::Tool {
-                tool: format!("runsc {}", args.first().copied().unwrap_or_default()),
+                tool: format!(
+                    "runsc {}",
+                    args.iter()
+                        .find(|a| !a.starts_with('-'))
+                        .copied()
+                        .unwrap_or_default()
+                ),
                 message: tail_text(&out.stderr, 1000),
             })
         }
@@ -108,7 +118,12 @@ impl GvisorRuntime {
             resources.insert("memory".into(), json!({"limit": bytes}));
         }
         if spec.pids > 0 {
-            resources.insert("pids".into(), json!({"limit": spec.pids}));
+            // The sandbox's own limit is enforced inside it (the agent sets RLIMIT_NPROC).
+            // The host cgroup is only a safety net: the sentry needs ~70 host threads of
+            // its own and about 1.5 per guest task, and it crashes (gVisor issue 2490)
+            // rather than failing a fork when the host limit is reached.
+            let host = spec.pids.saturating_mul(4).saturating_add(256);
+            resources.insert("pids".into(), json!({"limit": host}));
         }
         json!({
             "ociVersion": "1.0.2",
@@ -228,7 +243,9 @@ impl Runtime for GvisorRuntime {
                 message: tail_text(&log, 1000),
             });
         }
-        self.run(&["start", &spec.id]).await?;
+        let overlay_arg = format!("--overlay2={overlay_flag}");
+        self.run(&[&overlay_arg, "--cpu-num-from-quota", "start", &spec.id])
+            .await?;
         Ok(())
     }
 
@@ -250,7 +267,8 @@ impl Runtime for GvisorRuntime {
                 }
             }
         }
-        wait_for_processes_gone(&[id, &state_dir.to_string_lossy()]).await?;
+        let bundle = format!("--bundle={}", state_dir.join("bundle").display());
+        wait_for_processes_gone(&bundle).await?;
         Self::remove_cgroups(id);
         match tokio::fs::remove_dir_all(state_dir).await {
             Ok(()) => Ok(()),
@@ -311,39 +329,42 @@ impl Runtime for GvisorRuntime {
     }
 }
 
-/// Pids of processes whose command line contains any of `needles`.
-pub fn processes_matching(needles: &[&str]) -> Vec<i32> {
+/// Pids of runsc processes (sandbox, gofer) whose command line contains `needle`.
+/// Only processes named `runsc*` count: a CLI or a test that mentions the
+/// sandbox id on its own command line is never mistaken for part of it.
+pub fn runsc_processes_matching(needle: &str) -> Vec<i32> {
     let mut pids = Vec::new();
     let Ok(entries) = std::fs::read_dir("/proc") else {
         return pids;
     };
-    let me = std::process::id() as i32;
     for e in entries.flatten() {
         let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
             continue;
         };
-        if pid == me {
-            continue;
-        }
         let Ok(cmdline) = std::fs::read(e.path().join("cmdline")) else {
             continue;
         };
-        let cmdline = String::from_utf8_lossy(&cmdline);
-        if needles.iter().any(|n| !n.is_empty() && cmdline.contains(n)) {
+        let mut args = cmdline.split(|b| *b == 0);
+        let argv0 = args.next().unwrap_or_default();
+        let name = argv0.rsplit(|b| *b == b'/').next().unwrap_or_default();
+        if !name.starts_with(b"runsc") {
+            continue;
+        }
+        if args.any(|a| a == needle.as_bytes()) {
             pids.push(pid);
         }
     }
     pids
 }
 
-/// Waits until no process mentions the sandbox any more; SIGKILLs stragglers
+/// Waits until no runsc process of the sandbox is left; SIGKILLs stragglers
 /// after a grace period. The waits back off from 5 ms to 100 ms.
-async fn wait_for_processes_gone(needles: &[&str]) -> Result<(), RuntimeError> {
+async fn wait_for_processes_gone(needle: &str) -> Result<(), RuntimeError> {
     let mut delay = Duration::from_millis(5);
     let start = std::time::Instant::now();
     let mut killed = false;
     loop {
-        let pids = processes_matching(needles);
+        let pids = runsc_processes_matching(needle);
         if pids.is_empty() {
             return Ok(());
         }

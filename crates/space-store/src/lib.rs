@@ -166,7 +166,9 @@ impl Store {
     pub fn get_sandbox(&self, id: &str) -> Result<Option<SandboxRecord>, StoreError> {
         let doc: Option<String> = self
             .conn()
-            .query_row("SELECT doc FROM sandboxes WHERE id = ?1", [id], |r| r.get(0))
+            .query_row("SELECT doc FROM sandboxes WHERE id = ?1", [id], |r| {
+                r.get(0)
+            })
             .optional()?;
         Ok(doc.map(|d| serde_json::from_str(&d)).transpose()?)
     }

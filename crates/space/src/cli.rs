@@ -133,7 +133,10 @@ impl Client {
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
             let op: Operation = self
-                .send(self.req(reqwest::Method::GET, &format!("/v1/operations/{id}?wait=30s")))
+                .send(self.req(
+                    reqwest::Method::GET,
+                    &format!("/v1/operations/{id}?wait=30s"),
+                ))
                 .await?;
             if op.status.is_terminal() || tokio::time::Instant::now() >= deadline {
                 return Ok(op);
@@ -142,7 +145,10 @@ impl Client {
     }
 }
 
-fn key_values(items: &[String], what: &str) -> anyhow::Result<std::collections::BTreeMap<String, String>> {
+fn key_values(
+    items: &[String],
+    what: &str,
+) -> anyhow::Result<std::collections::BTreeMap<String, String>> {
     items
         .iter()
         .map(|kv| {
@@ -186,14 +192,13 @@ pub async fn run(cmd: ClientCmd) -> anyhow::Result<i32> {
             pids,
             no_wait,
         }) => {
-            let resources = (vcpus.is_some() || memory_mib.is_some() || pids.is_some()).then(|| {
-                Resources {
+            let resources =
+                (vcpus.is_some() || memory_mib.is_some() || pids.is_some()).then(|| Resources {
                     vcpus,
                     memory_mib,
                     disk_mib: None,
                     pids,
-                }
-            });
+                });
             let req = CreateSandboxRequest {
                 template,
                 labels: Some(key_values(&labels, "label")?),
@@ -201,9 +206,7 @@ pub async fn run(cmd: ClientCmd) -> anyhow::Result<i32> {
                 resources,
                 ..Default::default()
             };
-            let op: Operation = c
-                .send(c.req(M::POST, "/v1/sandboxes").json(&req))
-                .await?;
+            let op: Operation = c.send(c.req(M::POST, "/v1/sandboxes").json(&req)).await?;
             if no_wait {
                 print_json(&op)?;
                 return Ok(0);
@@ -225,7 +228,10 @@ pub async fn run(cmd: ClientCmd) -> anyhow::Result<i32> {
                 rb = rb.query(&[("label", filter)]);
             }
             let list: SandboxList = c.send(rb).await?;
-            println!("{:<25} {:<11} {:<10} {:<8} CREATED", "ID", "STATE", "TEMPLATE", "RUNTIME");
+            println!(
+                "{:<25} {:<11} {:<10} {:<8} CREATED",
+                "ID", "STATE", "TEMPLATE", "RUNTIME"
+            );
             for s in list.sandboxes {
                 println!(
                     "{:<25} {:<11} {:<10} {:<8} {}",
@@ -234,7 +240,9 @@ pub async fn run(cmd: ClientCmd) -> anyhow::Result<i32> {
             }
         }
         ClientCmd::Sandbox(SandboxCmd::Get { id }) => {
-            let sb: Sandbox = c.send(c.req(M::GET, &format!("/v1/sandboxes/{id}"))).await?;
+            let sb: Sandbox = c
+                .send(c.req(M::GET, &format!("/v1/sandboxes/{id}")))
+                .await?;
             print_json(&sb)?;
         }
         ClientCmd::Sandbox(SandboxCmd::Rm { id, no_wait }) => {
@@ -250,13 +258,19 @@ pub async fn run(cmd: ClientCmd) -> anyhow::Result<i32> {
             eprintln!("destroyed {id}");
         }
         ClientCmd::Ops(OpsCmd::Get { id }) => {
-            let op: Operation = c.send(c.req(M::GET, &format!("/v1/operations/{id}"))).await?;
+            let op: Operation = c
+                .send(c.req(M::GET, &format!("/v1/operations/{id}")))
+                .await?;
             print_json(&op)?;
         }
         ClientCmd::Ops(OpsCmd::Wait { id, timeout }) => {
             let op = c.wait_op(&id, Duration::from_secs(timeout)).await?;
             print_json(&op)?;
-            return Ok(if op.status == OperationStatus::Succeeded { 0 } else { 1 });
+            return Ok(if op.status == OperationStatus::Succeeded {
+                0
+            } else {
+                1
+            });
         }
         ClientCmd::Templates => {
             let list: TemplateList = c.send(c.req(M::GET, "/v1/templates")).await?;
@@ -267,7 +281,9 @@ pub async fn run(cmd: ClientCmd) -> anyhow::Result<i32> {
                     t.name,
                     t.ready,
                     t.builtin,
-                    t.size_bytes.map(|b| format!("{} MiB", b >> 20)).unwrap_or_default()
+                    t.size_bytes
+                        .map(|b| format!("{} MiB", b >> 20))
+                        .unwrap_or_default()
                 );
             }
         }
@@ -289,8 +305,11 @@ async fn exec(c: &Client, args: ExecArgs) -> anyhow::Result<i32> {
     };
     let cmd: Command = c
         .send(
-            c.req(reqwest::Method::POST, &format!("/v1/sandboxes/{}/commands", args.sandbox))
-                .json(&req),
+            c.req(
+                reqwest::Method::POST,
+                &format!("/v1/sandboxes/{}/commands", args.sandbox),
+            )
+            .json(&req),
         )
         .await?;
     let mut offset = 0u64;
@@ -358,7 +377,10 @@ fn exit_code_of(end: &Value) -> i32 {
     if let Some(sig) = result.get("signal").and_then(Value::as_i64) {
         return 128 + sig as i32;
     }
-    let state = end.get("state").and_then(Value::as_str).unwrap_or("unknown");
+    let state = end
+        .get("state")
+        .and_then(Value::as_str)
+        .unwrap_or("unknown");
     let reason = end
         .get("lost_reason")
         .and_then(Value::as_str)

@@ -13,7 +13,11 @@ use clap::{Parser, Subcommand};
 use space_runtime::gvisor::GvisorRuntime;
 
 #[derive(Parser)]
-#[command(name = "space", version, about = "Sandboxed Platform for Agentic Code Execution")]
+#[command(
+    name = "space",
+    version,
+    about = "Sandboxed Platform for Agentic Code Execution"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Cmd,
@@ -113,10 +117,13 @@ fn main() -> anyhow::Result<()> {
                 Ok(())
             })
         }
-        other => {
-            let code = rt.block_on(cli::run(other.into_client()))?;
-            std::process::exit(code);
-        }
+        other => match rt.block_on(cli::run(other.into_client())) {
+            Ok(code) => std::process::exit(code),
+            Err(e) => {
+                eprintln!("space: {e:#}");
+                std::process::exit(1);
+            }
+        },
     }
 }
 
@@ -138,6 +145,7 @@ fn init_tracing() {
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
 }
 

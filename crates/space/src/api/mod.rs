@@ -35,10 +35,7 @@ pub struct AppState {
 
 pub fn router(state: AppState) -> Router {
     let v1 = Router::new()
-        .route(
-            "/sandboxes",
-            post(sandboxes::create).get(sandboxes::list),
-        )
+        .route("/sandboxes", post(sandboxes::create).get(sandboxes::list))
         .route(
             "/sandboxes/:id",
             get(sandboxes::get).delete(sandboxes::destroy),
@@ -52,7 +49,10 @@ pub fn router(state: AppState) -> Router {
         )
         .route("/sandboxes/:id/commands/:cid", get(commands::get))
         .route("/sandboxes/:id/commands/:cid/output", get(commands::output))
-        .route("/sandboxes/:id/commands/:cid/signal", post(commands::signal))
+        .route(
+            "/sandboxes/:id/commands/:cid/signal",
+            post(commands::signal),
+        )
         .route("/operations", get(operations::list))
         .route("/operations/:id", get(operations::get))
         .route("/operations/:id/cancel", post(operations::cancel))
@@ -60,7 +60,10 @@ pub fn router(state: AppState) -> Router {
         .fallback(not_found)
         .layer(middleware::from_fn_with_state(state.clone(), auth));
     Router::new()
-        .route("/healthz", get(|| async { Json(serde_json::json!({"status": "ok"})) }))
+        .route(
+            "/healthz",
+            get(|| async { Json(serde_json::json!({"status": "ok"})) }),
+        )
         .nest("/v1", v1)
         .fallback(not_found)
         .with_state(state)
@@ -86,8 +89,10 @@ async fn auth(State(state): State<AppState>, req: Request, next: Next) -> Respon
             "unauthorized",
             "missing or wrong bearer token",
         );
-        resp.headers_mut()
-            .insert(header::WWW_AUTHENTICATE, "Bearer".parse().expect("static header"));
+        resp.headers_mut().insert(
+            header::WWW_AUTHENTICATE,
+            "Bearer".parse().expect("static header"),
+        );
         return resp;
     }
     next.run(req).await
@@ -154,7 +159,6 @@ impl IntoResponse for HttpError {
     }
 }
 
-
 /// A JSON body: bounded (413), strictly parsed (400 naming the problem).
 pub struct ApiJson<T>(pub T);
 
@@ -164,13 +168,15 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for ApiJson<T> {
 
     async fn from_request(req: Request, _state: &S) -> Result<Self, Self::Rejection> {
         let body: Body = req.into_body();
-        let bytes = axum::body::to_bytes(body, MAX_JSON_BODY).await.map_err(|_| {
-            error(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "body_too_large",
-                format!("request body larger than {MAX_JSON_BODY} bytes"),
-            )
-        })?;
+        let bytes = axum::body::to_bytes(body, MAX_JSON_BODY)
+            .await
+            .map_err(|_| {
+                error(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    "body_too_large",
+                    format!("request body larger than {MAX_JSON_BODY} bytes"),
+                )
+            })?;
         let value = serde_json::from_slice(&bytes).map_err(|e| {
             error(
                 StatusCode::BAD_REQUEST,
@@ -199,7 +205,10 @@ pub fn parse_wait(s: &str) -> Result<Duration, Response> {
         error(
             StatusCode::BAD_REQUEST,
             "invalid_query",
-            format!("invalid wait {:?}: use e.g. 30s, 500ms or 2m", crate::service::truncate(s, 32)),
+            format!(
+                "invalid wait {:?}: use e.g. 30s, 500ms or 2m",
+                crate::service::truncate(s, 32)
+            ),
         )
     };
     let s = s.trim();

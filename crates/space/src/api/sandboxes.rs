@@ -32,7 +32,12 @@ pub async fn list(State(st): State<AppState>, RawQuery(q): RawQuery) -> Response
         Err(r) => return r,
     };
     let mut labels = Vec::new();
-    for pair in q.label.iter().flat_map(|l| l.split(',')).filter(|p| !p.is_empty()) {
+    for pair in q
+        .label
+        .iter()
+        .flat_map(|l| l.split(','))
+        .filter(|p| !p.is_empty())
+    {
         match pair.split_once('=') {
             Some((k, v)) => labels.push((k.to_string(), v.to_string())),
             None => {

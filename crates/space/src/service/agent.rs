@@ -114,7 +114,8 @@ impl AgentConn {
         stderr: u64,
     ) -> Result<(mpsc::Sender<Bytes>, Incoming), AgentError> {
         let (tx, rx) = mpsc::channel::<Bytes>(16);
-        let stream = ReceiverStream::new(rx).map(|b| Ok::<_, std::convert::Infallible>(BodyFrame::data(b)));
+        let stream =
+            ReceiverStream::new(rx).map(|b| Ok::<_, std::convert::Infallible>(BodyFrame::data(b)));
         let body = StreamBody::new(stream).boxed();
         let req = Request::builder()
             .method(Method::POST)
@@ -165,8 +166,12 @@ pub fn listen(
                     continue;
                 }
             };
-            let (sandbox_id, token, conn, generation) =
-                (sandbox_id.clone(), token.clone(), conn.clone(), generation.clone());
+            let (sandbox_id, token, conn, generation) = (
+                sandbox_id.clone(),
+                token.clone(),
+                conn.clone(),
+                generation.clone(),
+            );
             tokio::spawn(async move {
                 match tokio::time::timeout(
                     HANDSHAKE_TIMEOUT,
@@ -234,16 +239,18 @@ async fn serve_connection(
     generation: u64,
     conn: watch::Sender<Option<AgentConn>>,
 ) {
-    let (sender, connection) =
-        match hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(stream))
-            .await
-        {
-            Ok(pair) => pair,
-            Err(e) => {
-                tracing::warn!(sandbox = %sandbox_id, error = %e, "HTTP/2 handshake with the agent failed");
-                return;
-            }
-        };
+    let (sender, connection) = match hyper::client::conn::http2::handshake(
+        TokioExecutor::new(),
+        TokioIo::new(stream),
+    )
+    .await
+    {
+        Ok(pair) => pair,
+        Err(e) => {
+            tracing::warn!(sandbox = %sandbox_id, error = %e, "HTTP/2 handshake with the agent failed");
+            return;
+        }
+    };
     tracing::info!(sandbox = %sandbox_id, generation, "agent connected");
     conn.send_replace(Some(AgentConn { sender, generation }));
     if let Err(e) = connection.await {

@@ -113,7 +113,9 @@ impl Service {
         let cmd_env = req.env.unwrap_or_default();
         validate_env(&cmd_env)?;
         for (what, v) in [("cwd", &req.cwd), ("user", &req.user)] {
-            if v.as_ref().is_some_and(|v| v.is_empty() || v.len() > 4096 || v.contains('\0')) {
+            if v.as_ref()
+                .is_some_and(|v| v.is_empty() || v.len() > 4096 || v.contains('\0'))
+            {
                 return Err(ServiceError::BadRequest(format!("invalid {what}")));
             }
         }
@@ -193,7 +195,9 @@ impl Service {
                 return Err(ServiceError::BadRequest(message));
             }
             // The agent may or may not have started it; the session finds out.
-            Err(e) => tracing::warn!(command = %id, error = %super::error_chain(&e), "spawn request failed"),
+            Err(e) => {
+                tracing::warn!(command = %id, error = %super::error_chain(&e), "spawn request failed")
+            }
         }
         cmd.state = CommandState::Running;
         self.0.store.update_command(&cmd)?;
@@ -320,10 +324,9 @@ impl Service {
 
     pub fn get_command(&self, sandbox_id: &str, id: &str) -> Result<Command, ServiceError> {
         self.record(sandbox_id)?;
-        self.0
-            .store
-            .get_command(sandbox_id, id)?
-            .ok_or_else(|| ServiceError::NotFound(format!("no command {id} in sandbox {sandbox_id}")))
+        self.0.store.get_command(sandbox_id, id)?.ok_or_else(|| {
+            ServiceError::NotFound(format!("no command {id} in sandbox {sandbox_id}"))
+        })
     }
 
     pub fn list_commands(&self, sandbox_id: &str) -> Result<Vec<Command>, ServiceError> {
@@ -372,9 +375,9 @@ impl Service {
                 cmd.state
             )));
         }
-        let handle = self
-            .live_handle(sandbox_id)
-            .ok_or_else(|| ServiceError::Conflict(format!("sandbox {sandbox_id} is not running")))?;
+        let handle = self.live_handle(sandbox_id).ok_or_else(|| {
+            ServiceError::Conflict(format!("sandbox {sandbox_id} is not running"))
+        })?;
         let mut rx = handle.agent.subscribe();
         let conn = agent::wait_connected(&mut rx, SPAWN_CONNECT_TIMEOUT).await?;
         match conn
@@ -467,7 +470,12 @@ impl Service {
                 if progress.done {
                     if let Ok(Some(cmd)) = svc.0.store.get_command(&sandbox_id, &id) {
                         if let Some(result) = cmd.result.clone() {
-                            let _ = tx.send(ndjson(&OutputEnd { result, state: cmd.state })).await;
+                            let _ = tx
+                                .send(ndjson(&OutputEnd {
+                                    result,
+                                    state: cmd.state,
+                                }))
+                                .await;
                         } else {
                             let end = serde_json::json!({
                                 "result": null, "state": cmd.state, "lost_reason": cmd.lost_reason
@@ -625,7 +633,8 @@ async fn pump(
         }
         if wrote {
             let p = writer.progress();
-            ch.progress.send_replace(OutputProgress { done: false, ..p });
+            ch.progress
+                .send_replace(OutputProgress { done: false, ..p });
             let ack = Frame::Ack {
                 stdout: p.stdout,
                 stderr: p.stderr,

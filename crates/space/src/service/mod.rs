@@ -184,7 +184,10 @@ impl Service {
     /// `POST /v1/sandboxes`: validates, records, and starts the create operation.
     pub fn create_sandbox(&self, req: CreateSandboxRequest) -> Result<Operation> {
         let template_name = req.template.trim().to_string();
-        let runtime = req.runtime.clone().unwrap_or_else(|| self.runtime_name().into());
+        let runtime = req
+            .runtime
+            .clone()
+            .unwrap_or_else(|| self.runtime_name().into());
         if runtime != self.runtime_name() {
             return Err(ServiceError::BadRequest(format!(
                 "unknown runtime {runtime:?}: this server runs {:?}",
@@ -284,7 +287,12 @@ impl Service {
         Ok(r)
     }
 
-    async fn run_create(&self, handle: Arc<SandboxHandle>, op_id: String, cancel: CancellationToken) {
+    async fn run_create(
+        &self,
+        handle: Arc<SandboxHandle>,
+        op_id: String,
+        cancel: CancellationToken,
+    ) {
         // Wait for a create slot; the operation is `pending` meanwhile and can be cancelled.
         let permit = tokio::select! {
             p = self.0.create_slots.acquire() => p.ok(),
@@ -336,8 +344,9 @@ impl Service {
             .map_err(internal)?;
         let dir = self.sandbox_dir(id);
         let run_dir = dir.join("run");
-        std::fs::create_dir_all(&run_dir)
-            .map_err(|e| ApiError::new("internal", format!("creating {}: {e}", run_dir.display())))?;
+        std::fs::create_dir_all(&run_dir).map_err(|e| {
+            ApiError::new("internal", format!("creating {}: {e}", run_dir.display()))
+        })?;
         write_secret(&run_dir.join("token"), &rec.agent_token)
             .map_err(|e| ApiError::new("internal", format!("writing the agent token: {e}")))?;
         self.start_listener(handle, &rec)
@@ -353,6 +362,10 @@ impl Service {
                 ("SPACE_AGENT_SOCKET".into(), "/.space/run/agent.sock".into()),
                 ("SPACE_AGENT_TOKEN_FILE".into(), "/.space/run/token".into()),
                 ("PATH".into(), "/usr/sbin:/usr/bin:/sbin:/bin".into()),
+                (
+                    "SPACE_PIDS_LIMIT".into(),
+                    rec.sandbox.resources.pids.unwrap_or(0).to_string(),
+                ),
             ],
             vcpus: rec.sandbox.resources.vcpus.unwrap_or(0),
             memory_mib: rec.sandbox.resources.memory_mib.unwrap_or(0),
@@ -364,8 +377,10 @@ impl Service {
             .create(&spec)
             .await
             .map_err(|e| ApiError::new("runtime_failed", error_chain(&e)))?;
-        self.update_op(op_id, |op| op.progress = Some("waiting for the agent".into()))
-            .map_err(internal)?;
+        self.update_op(op_id, |op| {
+            op.progress = Some("waiting for the agent".into())
+        })
+        .map_err(internal)?;
         let mut rx = handle.agent.subscribe();
         agent::wait_connected(&mut rx, AGENT_CONNECT_TIMEOUT)
             .await
@@ -386,13 +401,21 @@ impl Service {
         op.status = OperationStatus::Succeeded;
         op.progress = Some("ready".into());
         op.updated_at = now_rfc3339();
-        self.0.store.update_sandbox_and_op(&rec, &op).map_err(internal)?;
+        self.0
+            .store
+            .update_sandbox_and_op(&rec, &op)
+            .map_err(internal)?;
         self.op_changed();
+        self.spawn_monitor(handle);
         tracing::info!(sandbox = %id, operation = %op_id, "sandbox running");
         Ok(())
     }
 
-    fn start_listener(&self, handle: &Arc<SandboxHandle>, rec: &SandboxRecord) -> std::io::Result<()> {
+    fn start_listener(
+        &self,
+        handle: &Arc<SandboxHandle>,
+        rec: &SandboxRecord,
+    ) -> std::io::Result<()> {
         let socket = self.sandbox_dir(&handle.id).join("run").join("agent.sock");
         if socket.as_os_str().len() >= 108 {
             return Err(std::io::Error::new(
@@ -413,6 +436,70 @@ impl Service {
             old.abort();
         }
         Ok(())
+    }
+
+    fn spawn_monitor(&self, handle: &Arc<SandboxHandle>) {
+        let svc = self.clone();
+        let handle = handle.clone();
+        tokio::spawn(async move { svc.monitor(handle).await });
+    }
+
+    /// Watches a sandbox's agent connection. When it is missing for long, or
+    /// when it drops and the runtime says the sandbox is no longer there, the
+    /// sandbox is `failed` and its commands `lost`: nothing waits forever.
+    async fn monitor(&self, handle: Arc<SandboxHandle>) {
+        let mut rx = handle.agent.subscribe();
+        loop {
+            // Until the agent is connected, check every 200 ms that the sandbox still exists.
+            let start = tokio::time::Instant::now();
+            loop {
+                let connected = tokio::select! {
+                    r = tokio::time::timeout(Duration::from_millis(200), rx.wait_for(|c| c.is_some())) => match r {
+                        Ok(Ok(_)) => true,
+                        Ok(Err(_)) => return,
+                        Err(_) => false,
+                    },
+                    _ = handle.closed.cancelled() => return,
+                };
+                if connected {
+                    break;
+                }
+                let reason = match self.0.runtime.status(&handle.id).await {
+                    Ok(RuntimeStatus::Stopped) | Ok(RuntimeStatus::Missing) => {
+                        Some("the sandbox stopped unexpectedly (its kernel or agent exited)")
+                    }
+                    // A paused sandbox's agent cannot dial in; that is fine.
+                    Ok(RuntimeStatus::Paused) => None,
+                    _ if start.elapsed() > READOPT_TIMEOUT => {
+                        Some("the sandbox's agent did not connect in time")
+                    }
+                    _ => None,
+                };
+                if let Some(reason) = reason {
+                    let _lifecycle = handle.lifecycle.lock().await;
+                    let live = self.record(&handle.id).is_ok_and(|r| {
+                        matches!(
+                            r.sandbox.state,
+                            SandboxState::Running | SandboxState::Paused
+                        )
+                    });
+                    // Look again under the lock: a lifecycle operation may have changed things.
+                    if handle.agent.borrow().is_some() {
+                        continue;
+                    }
+                    if live && !handle.closed.is_cancelled() {
+                        tracing::warn!(sandbox = %handle.id, reason, "sandbox failed");
+                        self.fail_sandbox(&handle, reason).await;
+                    }
+                    return;
+                }
+            }
+            // Connected: wait for the connection to go away.
+            tokio::select! {
+                r = rx.wait_for(|c| c.is_none()) => if r.is_err() { return },
+                _ = handle.closed.cancelled() => return,
+            }
+        }
     }
 
     /// Marks a sandbox failed and releases everything it holds.
@@ -503,7 +590,11 @@ impl Service {
         let _ = self.finish_op(&op_id, result.err());
     }
 
-    async fn destroy_steps(&self, handle: &Arc<SandboxHandle>, op_id: &str) -> Result<(), ApiError> {
+    async fn destroy_steps(
+        &self,
+        handle: &Arc<SandboxHandle>,
+        op_id: &str,
+    ) -> Result<(), ApiError> {
         let id = &handle.id;
         let mut rec = self.record(id).map_err(internal)?;
         if rec.sandbox.state != SandboxState::Destroying {
@@ -515,7 +606,10 @@ impl Service {
         op.status = OperationStatus::Running;
         op.progress = Some("stopping the sandbox".into());
         op.updated_at = now_rfc3339();
-        self.0.store.update_sandbox_and_op(&rec, &op).map_err(internal)?;
+        self.0
+            .store
+            .update_sandbox_and_op(&rec, &op)
+            .map_err(internal)?;
         self.op_changed();
 
         handle.closed.cancel();
@@ -619,7 +713,11 @@ impl Service {
             .ok_or_else(|| ServiceError::NotFound(format!("no operation {id}")))
     }
 
-    pub fn list_operations(&self, sandbox_id: Option<&str>, limit: usize) -> Result<Vec<Operation>> {
+    pub fn list_operations(
+        &self,
+        sandbox_id: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<Operation>> {
         Ok(self.0.store.list_operations(sandbox_id, limit)?)
     }
 
@@ -723,14 +821,22 @@ impl Service {
                 }
                 SandboxState::Creating => {
                     let handle = self.handle(&id);
-                    self.fail_sandbox(&handle, "the server restarted while the sandbox was being created")
-                        .await;
+                    self.fail_sandbox(
+                        &handle,
+                        "the server restarted while the sandbox was being created",
+                    )
+                    .await;
                 }
                 SandboxState::Destroying => {
                     keep.push(id.clone());
                 }
                 _ => {
-                    let status = self.0.runtime.status(&id).await.unwrap_or(RuntimeStatus::Missing);
+                    let status = self
+                        .0
+                        .runtime
+                        .status(&id)
+                        .await
+                        .unwrap_or(RuntimeStatus::Missing);
                     match status {
                         RuntimeStatus::Running | RuntimeStatus::Paused => {
                             let mut rec = rec.clone();
@@ -747,8 +853,11 @@ impl Service {
                         _ => {
                             let handle = self.handle(&id);
                             tracing::warn!(sandbox = %id, "sandbox vanished while the server was down");
-                            self.fail_sandbox(&handle, "the sandbox vanished while the server was down")
-                                .await;
+                            self.fail_sandbox(
+                                &handle,
+                                "the sandbox vanished while the server was down",
+                            )
+                            .await;
                         }
                     }
                 }
@@ -758,7 +867,9 @@ impl Service {
         for op in self.0.store.unfinished_operations()? {
             let sandbox = op.sandbox_id.as_deref().and_then(|s| self.record(s).ok());
             match (op.kind, sandbox) {
-                (OperationKind::Destroy, Some(rec)) if rec.sandbox.state != SandboxState::Destroyed => {
+                (OperationKind::Destroy, Some(rec))
+                    if rec.sandbox.state != SandboxState::Destroyed =>
+                {
                     let handle = self.handle(&rec.sandbox.id);
                     *lock(&handle.destroy_op) = Some(op.id.clone());
                     let svc = self.clone();
@@ -824,28 +935,11 @@ impl Service {
         let handle = self.handle(&rec.sandbox.id);
         self.start_listener(&handle, rec)?;
         tracing::info!(sandbox = %rec.sandbox.id, "re-adopting sandbox; waiting for its agent");
+        self.spawn_monitor(&handle);
         for cmd in self.0.store.list_commands(&rec.sandbox.id)? {
             if !cmd.state.is_terminal() {
                 self.resume_command_session(&handle, cmd);
             }
-        }
-        if rec.sandbox.state == SandboxState::Running {
-            let svc = self.clone();
-            tokio::spawn(async move {
-                let mut rx = handle.agent.subscribe();
-                let connected = tokio::select! {
-                    r = agent::wait_connected(&mut rx, READOPT_TIMEOUT) => r.is_ok(),
-                    _ = handle.closed.cancelled() => true,
-                };
-                if !connected {
-                    tracing::warn!(sandbox = %handle.id, "agent did not reconnect after restart");
-                    let _guard = handle.lifecycle.lock().await;
-                    if svc.record(&handle.id).map(|r| r.sandbox.state == SandboxState::Running).unwrap_or(false) {
-                        svc.fail_sandbox(&handle, "the agent did not reconnect after a server restart")
-                            .await;
-                    }
-                }
-            });
         }
         Ok(())
     }
@@ -936,8 +1030,7 @@ fn validate_labels(labels: &BTreeMap<String, String>) -> Result<()> {
     for (k, v) in labels {
         let ok_key = !k.is_empty()
             && k.len() <= 63
-            && k
-                .bytes()
+            && k.bytes()
                 .all(|b| b.is_ascii_alphanumeric() || b"-_./".contains(&b));
         if !ok_key || v.len() > 256 || v.contains('\0') {
             return Err(ServiceError::BadRequest(format!(

@@ -177,7 +177,9 @@ pub fn read_pieces(
     if offset >= upto {
         return Ok(Vec::new());
     }
-    let want = usize::try_from(upto - offset).unwrap_or(usize::MAX).min(max);
+    let want = usize::try_from(upto - offset)
+        .unwrap_or(usize::MAX)
+        .min(max);
     match view {
         View::Stdout | View::Stderr => {
             let (name, stream) = if view == View::Stdout {

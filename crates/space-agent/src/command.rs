@@ -1,0 +1,628 @@
+//! One command the agent runs: its retained output, its exit, its stdin, and
+//! the tasks that move bytes between its pipes and the host.
+//!
+//! Output is kept per stream as chunks tagged with an arrival sequence number, so
+//! an attach can replay both streams in the order they were read while acks drop
+//! each stream's acknowledged prefix independently.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
+
+use bytes::Bytes;
+use space_agent::protocol::{
+    CommandInfo, ExitStatus, Frame, Stream, MAX_DATA_CHUNK, RETAIN_MAX_BYTES,
+};
+use tokio::net::unix::pipe;
+use tokio::sync::{mpsc, watch, Notify, OwnedSemaphorePermit, Semaphore};
+use tokio_util::sync::CancellationToken;
+
+/// Stdin bytes the agent queues for a command that is not reading them yet.
+/// Acks travel behind stdin in the same request body, so this must be well above
+/// what the host can have in flight, or a command that echoes its input could
+/// stall with its output unacknowledged.
+const STDIN_QUEUE_BYTES: usize = 8 << 20;
+
+/// After the main process exits, at most this much more is read from each pipe
+/// (what it left in the pipe, plus whatever background children add meanwhile).
+const DRAIN_LIMIT: usize = 4 << 20;
+
+#[derive(Debug)]
+struct Chunk {
+    seq: u64,
+    offset: u64,
+    data: Bytes,
+}
+
+impl Chunk {
+    fn end(&self) -> u64 {
+        self.offset + self.data.len() as u64
+    }
+}
+
+/// The unacknowledged output of one stream.
+#[derive(Debug, Default)]
+struct Retained {
+    chunks: VecDeque<Chunk>,
+    /// Bytes produced so far.
+    end: u64,
+    /// Bytes held in `chunks`.
+    bytes: usize,
+}
+
+impl Retained {
+    /// Lowest offset still held.
+    fn base(&self) -> u64 {
+        self.chunks.front().map_or(self.end, |c| c.offset)
+    }
+
+    fn room(&self) -> usize {
+        RETAIN_MAX_BYTES.saturating_sub(self.bytes)
+    }
+
+    fn push(&mut self, seq: u64, data: Bytes) {
+        let offset = self.end;
+        self.end += data.len() as u64;
+        self.bytes += data.len();
+        self.chunks.push_back(Chunk { seq, offset, data });
+    }
+
+    /// Drops chunks wholly below `upto`; whether any was dropped.
+    fn ack(&mut self, upto: u64) -> bool {
+        let mut dropped = false;
+        while self.chunks.front().is_some_and(|c| c.end() <= upto) {
+            if let Some(c) = self.chunks.pop_front() {
+                self.bytes -= c.data.len();
+                dropped = true;
+            }
+        }
+        dropped
+    }
+
+    /// The first chunk holding bytes at or after `cursor`.
+    fn next_from(&self, cursor: u64) -> Option<&Chunk> {
+        let i = self.chunks.partition_point(|c| c.end() <= cursor);
+        self.chunks.get(i)
+    }
+}
+
+/// Where stdin bytes for a command go: an unbounded queue whose bytes are
+/// bounded by a semaphore, drained by the command's stdin writer task.
+#[derive(Debug, Clone)]
+pub struct StdinHandle {
+    tx: mpsc::UnboundedSender<(Bytes, OwnedSemaphorePermit)>,
+    budget: Arc<Semaphore>,
+}
+
+impl StdinHandle {
+    /// Queues `data`, waiting while the queue is full. Errors are ignored: a
+    /// command that closed its stdin just does not get the bytes.
+    pub async fn send(&self, data: Bytes) {
+        let n = u32::try_from(data.len()).unwrap_or(u32::MAX);
+        if let Ok(permit) = self.budget.clone().acquire_many_owned(n).await {
+            let _ = self.tx.send((data, permit));
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct State {
+    /// 0 until started, and for good when the program could not be started.
+    pid: u32,
+    streams: [Retained; 2],
+    next_seq: u64,
+    /// Raw `waitpid` status once the main process has been reaped.
+    wait_status: Option<i32>,
+    reaped_at: Option<Instant>,
+    timed_out: bool,
+    /// Set once the process has exited and its output has all been read.
+    exit: Option<ExitStatus>,
+    attach_cancel: Option<CancellationToken>,
+    stdin: Option<StdinHandle>,
+}
+
+impl State {
+    fn push(&mut self, s: usize, data: Bytes) {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        self.streams[s].push(seq, data);
+    }
+
+    fn exited(&self) -> bool {
+        self.exit.is_some() || self.wait_status.is_some()
+    }
+
+    /// The next output frame for an attach at `cursor`, advancing it.
+    fn next_frame(&self, cursor: &mut [u64; 2]) -> Option<Frame> {
+        for (c, r) in cursor.iter_mut().zip(&self.streams) {
+            // Someone acknowledged past this attach: the host has those bytes.
+            *c = (*c).max(r.base());
+        }
+        let a = self.streams[0].next_from(cursor[0]);
+        let b = self.streams[1].next_from(cursor[1]);
+        let (s, chunk) = match (a, b) {
+            (Some(a), Some(b)) if b.seq < a.seq => (1, b),
+            (Some(a), _) => (0, a),
+            (None, Some(b)) => (1, b),
+            (None, None) => return None,
+        };
+        let start = cursor[s].max(chunk.offset);
+        let skip = usize::try_from(start - chunk.offset).unwrap_or(usize::MAX);
+        let data = chunk.data.slice(skip.min(chunk.data.len())..);
+        cursor[s] = chunk.end();
+        Some(if s == 0 {
+            Frame::Stdout {
+                offset: start,
+                data,
+            }
+        } else {
+            Frame::Stderr {
+                offset: start,
+                data,
+            }
+        })
+    }
+}
+
+/// Why an attach was refused.
+#[derive(Debug)]
+pub enum AttachError {
+    /// An offset is below what is retained or above what was produced.
+    Range { stream: Stream, base: u64, end: u64 },
+}
+
+/// One command.
+#[derive(Debug)]
+pub struct Cmd {
+    pub id: String,
+    started: Instant,
+    state: Mutex<State>,
+    /// Bumped on every change an attach may be waiting for.
+    changed: watch::Sender<u64>,
+    /// Woken when an ack frees retention space.
+    space: Notify,
+    /// Cancelled once the main process has been reaped (or never started).
+    pub reaped: CancellationToken,
+    /// Cancelled when the host forgets the command: its tasks stop.
+    pub forgotten: CancellationToken,
+}
+
+impl Cmd {
+    pub fn new(id: String) -> Self {
+        Cmd {
+            id,
+            started: Instant::now(),
+            state: Mutex::default(),
+            changed: watch::Sender::new(0),
+            space: Notify::new(),
+            reaped: CancellationToken::new(),
+            forgotten: CancellationToken::new(),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn bump(&self) {
+        self.changed.send_modify(|v| *v = v.wrapping_add(1));
+    }
+
+    pub fn set_pid(&self, pid: u32) {
+        self.lock().pid = pid;
+    }
+
+    /// Whether the main process has exited (or was never started).
+    pub fn exited(&self) -> bool {
+        self.lock().exited()
+    }
+
+    /// Whether the process is started and not yet reaped; only meaningful while
+    /// the reaper lock is held, which keeps the pid from being reaped meanwhile.
+    pub fn running_pid(&self) -> Option<u32> {
+        let st = self.lock();
+        (st.pid != 0 && !st.exited()).then_some(st.pid)
+    }
+
+    pub fn mark_timed_out(&self) {
+        self.lock().timed_out = true;
+    }
+
+    /// Called by the reaper with the raw wait status.
+    pub fn on_reaped(&self, status: i32) {
+        {
+            let mut st = self.lock();
+            st.wait_status = Some(status);
+            st.reaped_at = Some(Instant::now());
+        }
+        self.reaped.cancel();
+        self.bump();
+    }
+
+    /// The program could not be started: the command ends at once with `code`
+    /// and one line on stderr.
+    pub fn set_failed(&self, argv0: &str, code: i32, reason: String) {
+        {
+            let mut st = self.lock();
+            let line = format!("space-agent: cannot run '{argv0}': {reason}\n");
+            st.push(1, Bytes::from(line));
+            st.exit = Some(ExitStatus {
+                exit_code: Some(code),
+                signal: None,
+                timed_out: false,
+                duration_ms: millis(self.started.elapsed()),
+                error: Some(reason),
+            });
+        }
+        self.reaped.cancel();
+        self.bump();
+    }
+
+    pub fn set_stdin(&self, h: StdinHandle) {
+        self.lock().stdin = Some(h);
+    }
+
+    pub fn stdin(&self) -> Option<StdinHandle> {
+        self.lock().stdin.clone()
+    }
+
+    /// Drops our end of the stdin queue; the writer closes the pipe once the
+    /// queued bytes are written.
+    pub fn close_stdin(&self) {
+        self.lock().stdin = None;
+    }
+
+    pub fn ack(&self, stdout: u64, stderr: u64) {
+        let dropped = {
+            let mut st = self.lock();
+            let a = st.streams[0].ack(stdout);
+            let b = st.streams[1].ack(stderr);
+            a || b
+        };
+        if dropped {
+            self.space.notify_one();
+        }
+    }
+
+    pub fn info(&self) -> CommandInfo {
+        let st = self.lock();
+        CommandInfo {
+            id: self.id.clone(),
+            pid: st.pid,
+            exit: st.exit.clone(),
+            stdout_base: st.streams[0].base(),
+            stderr_base: st.streams[1].base(),
+            stdout_end: st.streams[0].end,
+            stderr_end: st.streams[1].end,
+        }
+    }
+
+    /// Starts an attach at the given offsets: checks them, supersedes any
+    /// earlier attach and returns the token that ends the new one.
+    pub fn begin_attach(&self, offsets: [u64; 2]) -> Result<CancellationToken, AttachError> {
+        let mut st = self.lock();
+        for (s, stream) in [Stream::Stdout, Stream::Stderr].into_iter().enumerate() {
+            let r = &st.streams[s];
+            if offsets[s] < r.base() || offsets[s] > r.end {
+                return Err(AttachError::Range {
+                    stream,
+                    base: r.base(),
+                    end: r.end,
+                });
+            }
+        }
+        if let Some(old) = st.attach_cancel.take() {
+            old.cancel();
+        }
+        let token = CancellationToken::new();
+        st.attach_cancel = Some(token.clone());
+        Ok(token)
+    }
+
+    /// Cancels the current attach, if any.
+    pub fn end_attach(&self) {
+        if let Some(old) = self.lock().attach_cancel.take() {
+            old.cancel();
+        }
+    }
+
+    fn rooms(&self) -> [usize; 2] {
+        let st = self.lock();
+        [st.streams[0].room(), st.streams[1].room()]
+    }
+
+    fn push(&self, s: usize, data: &[u8]) {
+        self.lock().push(s, Bytes::copy_from_slice(data));
+        self.bump();
+    }
+
+    /// The process was reaped and its pipes are drained: the command is finished.
+    fn finish(&self) {
+        {
+            let mut st = self.lock();
+            if st.exit.is_some() {
+                return;
+            }
+            let status = st.wait_status.unwrap_or(0);
+            let (exit_code, signal) = if libc::WIFEXITED(status) {
+                (Some(libc::WEXITSTATUS(status)), None)
+            } else if libc::WIFSIGNALED(status) {
+                (None, Some(libc::WTERMSIG(status)))
+            } else {
+                (None, None)
+            };
+            let end = st.reaped_at.unwrap_or_else(Instant::now);
+            st.exit = Some(ExitStatus {
+                exit_code,
+                signal,
+                timed_out: st.timed_out,
+                duration_ms: millis(end.saturating_duration_since(self.started)),
+                error: None,
+            });
+        }
+        self.bump();
+    }
+}
+
+fn millis(d: std::time::Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// Creates the stdin queue for a command and starts its writer.
+pub fn start_stdin_writer(cmd: &Arc<Cmd>, pipe: pipe::Sender) -> StdinHandle {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let handle = StdinHandle {
+        tx,
+        budget: Arc::new(Semaphore::new(STDIN_QUEUE_BYTES)),
+    };
+    tokio::spawn(stdin_writer(pipe, rx, cmd.forgotten.clone()));
+    handle
+}
+
+async fn stdin_writer(
+    mut pipe: pipe::Sender,
+    mut rx: mpsc::UnboundedReceiver<(Bytes, OwnedSemaphorePermit)>,
+    forgotten: CancellationToken,
+) {
+    use tokio::io::AsyncWriteExt;
+    loop {
+        let msg = tokio::select! {
+            m = rx.recv() => m,
+            _ = forgotten.cancelled() => None,
+        };
+        // The permit is released once the bytes are in the pipe.
+        let Some((data, _permit)) = msg else { return };
+        let r = tokio::select! {
+            r = pipe.write_all(&data) => r,
+            _ = forgotten.cancelled() => return,
+        };
+        if r.is_err() {
+            // The command closed its stdin; later bytes are dropped with `rx`.
+            return;
+        }
+    }
+}
+
+enum Read {
+    Data(usize),
+    Eof,
+    Again,
+}
+
+fn try_read(p: &pipe::Receiver, buf: &mut [u8]) -> Read {
+    match p.try_read(buf) {
+        Ok(0) => Read::Eof,
+        Ok(n) => Read::Data(n),
+        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Read::Again,
+        Err(e) if e.kind() == std::io::ErrorKind::Interrupted => Read::Again,
+        Err(_) => Read::Eof,
+    }
+}
+
+/// A read that does not consult tokio's readiness (which a pipe registered a
+/// moment ago has not got yet): after the exit, what is in the pipe is all
+/// there is to wait for.
+fn read_now(p: &pipe::Receiver, buf: &mut [u8]) -> Read {
+    use std::os::fd::AsRawFd;
+    loop {
+        // SAFETY: reads into a valid buffer from a descriptor `p` owns.
+        let n = unsafe { libc::read(p.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
+        if n > 0 {
+            return Read::Data(n as usize);
+        }
+        if n == 0 {
+            return Read::Eof;
+        }
+        let e = std::io::Error::last_os_error();
+        match e.kind() {
+            std::io::ErrorKind::Interrupted => continue,
+            std::io::ErrorKind::WouldBlock => return Read::Again,
+            _ => return Read::Eof,
+        }
+    }
+}
+
+async fn readable(p: Option<&pipe::Receiver>) -> std::io::Result<()> {
+    match p {
+        Some(p) => p.readable().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Moves a command's output from its pipes into its retained queue until the
+/// main process has been reaped and the pipes are drained, then finishes it.
+pub async fn pump(cmd: Arc<Cmd>, stdout: Option<pipe::Receiver>, stderr: Option<pipe::Receiver>) {
+    let mut pipes = [stdout, stderr];
+    let mut buf = vec![0u8; MAX_DATA_CHUNK];
+
+    // While the process runs: read whatever arrives, as retention allows.
+    while !cmd.reaped.is_cancelled() {
+        let room = cmd.rooms();
+        let blocked = (0..2).any(|s| pipes[s].is_some() && room[s] == 0);
+        let ready = tokio::select! {
+            r = readable(pipes[0].as_ref()), if pipes[0].is_some() && room[0] > 0 => Some((0, r)),
+            r = readable(pipes[1].as_ref()), if pipes[1].is_some() && room[1] > 0 => Some((1, r)),
+            _ = cmd.space.notified(), if blocked => None,
+            _ = cmd.reaped.cancelled() => None,
+            _ = cmd.forgotten.cancelled() => return,
+        };
+        let Some((s, r)) = ready else { continue };
+        let read = match (&pipes[s], r) {
+            (Some(p), Ok(())) => {
+                let n = room[s].min(MAX_DATA_CHUNK);
+                try_read(p, &mut buf[..n])
+            }
+            _ => Read::Eof,
+        };
+        match read {
+            Read::Data(n) => cmd.push(s, &buf[..n]),
+            Read::Eof => pipes[s] = None,
+            Read::Again => {}
+        }
+    }
+
+    // The process is gone: take what is already in the pipes, without waiting
+    // for background children that may hold them open.
+    for (s, slot) in pipes.iter_mut().enumerate() {
+        let Some(p) = slot.take() else { continue };
+        let mut drained = 0usize;
+        while drained < DRAIN_LIMIT {
+            let room = cmd.rooms()[s];
+            if room == 0 {
+                tokio::select! {
+                    _ = cmd.space.notified() => continue,
+                    _ = cmd.forgotten.cancelled() => return,
+                }
+            }
+            let n = room.min(MAX_DATA_CHUNK).min(DRAIN_LIMIT - drained);
+            match read_now(&p, &mut buf[..n]) {
+                Read::Data(n) => {
+                    cmd.push(s, &buf[..n]);
+                    drained += n;
+                }
+                Read::Eof | Read::Again => break,
+            }
+        }
+    }
+    cmd.finish();
+}
+
+/// Sends a command's output from `cursor` on, then its exit, as encoded frames
+/// into `tx`, until done, superseded (`cancel`) or the receiver is gone.
+pub async fn send_output(
+    cmd: Arc<Cmd>,
+    mut cursor: [u64; 2],
+    tx: mpsc::Sender<Bytes>,
+    cancel: CancellationToken,
+) {
+    enum Step {
+        Send(Frame),
+        Last(Frame),
+        Wait,
+    }
+    let mut changed = cmd.changed.subscribe();
+    loop {
+        changed.borrow_and_update();
+        let step = {
+            let st = cmd.lock();
+            match st.next_frame(&mut cursor) {
+                Some(f) => Step::Send(f),
+                None => match &st.exit {
+                    Some(exit)
+                        if cursor[0] >= st.streams[0].end && cursor[1] >= st.streams[1].end =>
+                    {
+                        Step::Last(Frame::Exit(exit.clone()))
+                    }
+                    _ => Step::Wait,
+                },
+            }
+        };
+        match step {
+            Step::Send(f) | Step::Last(f) if cancel.is_cancelled() => {
+                drop(f);
+                return;
+            }
+            Step::Send(f) => {
+                tokio::select! {
+                    r = tx.send(f.to_bytes()) => if r.is_err() { return },
+                    _ = cancel.cancelled() => return,
+                }
+            }
+            Step::Last(f) => {
+                tokio::select! {
+                    _ = tx.send(f.to_bytes()) => {},
+                    _ = cancel.cancelled() => {},
+                }
+                return;
+            }
+            Step::Wait => {
+                tokio::select! {
+                    r = changed.changed() => if r.is_err() { return },
+                    _ = tx.closed() => return,
+                    _ = cancel.cancelled() => return,
+                }
+            }
+        }
+    }
+}
+
+/// Stream an attach offset or ack refers to.
+pub fn stream_name(s: Stream) -> &'static str {
+    match s {
+        Stream::Stdout => "stdout",
+        Stream::Stderr => "stderr",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn data(f: &Frame) -> (u8, u64, Vec<u8>) {
+        match f {
+            Frame::Stdout { offset, data } => (1, *offset, data.to_vec()),
+            Frame::Stderr { offset, data } => (2, *offset, data.to_vec()),
+            _ => panic!("not a data frame"),
+        }
+    }
+
+    #[test]
+    fn frames_follow_arrival_order_and_slice() {
+        let mut st = State::default();
+        st.push(0, Bytes::from_static(b"abc"));
+        st.push(1, Bytes::from_static(b"XY"));
+        st.push(0, Bytes::from_static(b"def"));
+        let mut cur = [1, 0];
+        let got: Vec<_> = std::iter::from_fn(|| st.next_frame(&mut cur))
+            .map(|f| data(&f))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                (1, 1, b"bc".to_vec()),
+                (2, 0, b"XY".to_vec()),
+                (1, 3, b"def".to_vec())
+            ]
+        );
+        assert_eq!(cur, [6, 2]);
+    }
+
+    #[test]
+    fn acks_drop_whole_chunks_per_stream() {
+        let mut st = State::default();
+        st.push(0, Bytes::from_static(b"abc"));
+        st.push(1, Bytes::from_static(b"XY"));
+        st.push(0, Bytes::from_static(b"def"));
+        assert!(st.streams[0].ack(4));
+        assert_eq!(st.streams[0].base(), 3);
+        assert_eq!(st.streams[0].bytes, 3);
+        assert!(!st.streams[1].ack(1));
+        assert!(st.streams[1].ack(100));
+        assert_eq!(st.streams[1].base(), 2);
+        // A cursor below what is retained jumps to it.
+        let mut cur = [0, 0];
+        let f = st.next_frame(&mut cur).map(|f| data(&f));
+        assert_eq!(f, Some((1, 3, b"def".to_vec())));
+        assert_eq!(st.next_frame(&mut cur), None);
+    }
+}

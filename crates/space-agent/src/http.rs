@@ -1,0 +1,439 @@
+//! The agent's HTTP/2 endpoints (see [`space_agent::protocol`]): a thin parser
+//! in front of [`Agent`].
+
+use std::collections::BTreeMap;
+use std::convert::Infallible;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{header, Method, Request, Response, StatusCode};
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+use serde::Serialize;
+use space_agent::protocol::{
+    AgentInfo, ErrorBody, Frame, FrameDecoder, SignalRequest, SpawnReply, SpawnRequest,
+    MAX_JSON_BODY, PROTOCOL_VERSION,
+};
+use tokio::net::unix::pipe;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use crate::command::{self, AttachError, Cmd};
+use crate::reaper::{Reaper, SignalError};
+use crate::spawn;
+
+pub type Body = BoxBody<Bytes, Infallible>;
+
+/// Encoded frames waiting for h2 send capacity, per attach. Small, so output
+/// stays in the retained queue (where acks can drop it) rather than here.
+const ATTACH_QUEUE: usize = 2;
+
+/// Longest timeout honoured; anything longer is the same as this.
+const MAX_TIMEOUT: Duration = Duration::from_secs(10 * 365 * 24 * 3600);
+
+/// Everything the agent holds across host connections.
+#[derive(Debug, Default)]
+pub struct Agent {
+    pub reaper: Arc<Reaper>,
+    commands: Mutex<BTreeMap<String, Arc<Cmd>>>,
+}
+
+impl Agent {
+    fn commands(&self) -> MutexGuard<'_, BTreeMap<String, Arc<Cmd>>> {
+        self.commands.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn get(&self, id: &str) -> Option<Arc<Cmd>> {
+        self.commands().get(id).cloned()
+    }
+
+    /// Forgets an exited command; false if it still runs.
+    fn forget(&self, cmd: &Arc<Cmd>) -> bool {
+        if !cmd.exited() {
+            return false;
+        }
+        let mut map = self.commands();
+        if map.get(&cmd.id).is_some_and(|c| Arc::ptr_eq(c, cmd)) {
+            map.remove(&cmd.id);
+        }
+        drop(map);
+        cmd.forgotten.cancel();
+        cmd.end_attach();
+        true
+    }
+}
+
+/// A response body fed by a channel of encoded frames.
+struct ChannelBody(mpsc::Receiver<Bytes>);
+
+impl http_body::Body for ChannelBody {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, Infallible>>> {
+        self.0
+            .poll_recv(cx)
+            .map(|o| o.map(|b| Ok(http_body::Frame::data(b))))
+    }
+}
+
+fn json<T: Serialize>(status: StatusCode, value: &T) -> Response<Body> {
+    let body = serde_json::to_vec(value).unwrap_or_default();
+    let mut r = Response::new(Full::new(Bytes::from(body)).boxed());
+    *r.status_mut() = status;
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        header::HeaderValue::from_static("application/json"),
+    );
+    r
+}
+
+fn error(status: StatusCode, code: &str, message: impl Into<String>) -> Response<Body> {
+    json(status, &ErrorBody::new(code, message))
+}
+
+fn empty(status: StatusCode) -> Response<Body> {
+    let mut r = Response::new(Full::new(Bytes::new()).boxed());
+    *r.status_mut() = status;
+    r
+}
+
+fn not_found(id: &str) -> Response<Body> {
+    error(
+        StatusCode::NOT_FOUND,
+        "not_found",
+        format!("no command '{id}'"),
+    )
+}
+
+fn method_not_allowed() -> Response<Body> {
+    error(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method_not_allowed",
+        "method not allowed",
+    )
+}
+
+/// Reads a JSON body of at most [`MAX_JSON_BODY`] bytes.
+async fn read_json<T: serde::de::DeserializeOwned>(body: Incoming) -> Result<T, Response<Body>> {
+    let bytes = match Limited::new(body, MAX_JSON_BODY).collect().await {
+        Ok(c) => c.to_bytes(),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => {
+            return Err(error(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "payload_too_large",
+                "request body too large",
+            ))
+        }
+        Err(_) => {
+            return Err(error(
+                StatusCode::BAD_REQUEST,
+                "bad_request",
+                "could not read request body",
+            ))
+        }
+    };
+    serde_json::from_slice(&bytes).map_err(|e| {
+        error(
+            StatusCode::BAD_REQUEST,
+            "bad_request",
+            format!("invalid JSON: {e}"),
+        )
+    })
+}
+
+/// Routes one request.
+pub async fn handle(agent: Arc<Agent>, req: Request<Incoming>) -> Response<Body> {
+    let path = req.uri().path().to_string();
+    let segs: Vec<&str> = path
+        .strip_prefix("/v1/")
+        .map(|p| p.split('/').collect())
+        .unwrap_or_default();
+    let method = req.method().clone();
+    match (segs.as_slice(), method) {
+        (["info"], Method::GET) => info(&agent),
+        (["info"], _) => method_not_allowed(),
+        (["commands"], Method::GET) => list(&agent),
+        (["commands"], Method::POST) => spawn_command(agent, req.into_body()).await,
+        (["commands"], _) => method_not_allowed(),
+        (["commands", id], Method::DELETE) => delete(&agent, id),
+        (["commands", _], _) => method_not_allowed(),
+        (["commands", id, "attach"], Method::POST) => {
+            let query = req.uri().query().unwrap_or("").to_string();
+            attach(agent, id, &query, req.into_body())
+        }
+        (["commands", id, "signal"], Method::POST) => signal(&agent, id, req.into_body()).await,
+        (["commands", _, "attach" | "signal"], _) => method_not_allowed(),
+        _ => error(StatusCode::NOT_FOUND, "not_found", "no such endpoint"),
+    }
+}
+
+fn info(agent: &Agent) -> Response<Body> {
+    json(
+        StatusCode::OK,
+        &AgentInfo {
+            protocol: PROTOCOL_VERSION,
+            agent_version: env!("CARGO_PKG_VERSION").to_string(),
+            pid: std::process::id(),
+            commands: agent.commands().len(),
+        },
+    )
+}
+
+fn list(agent: &Agent) -> Response<Body> {
+    let cmds: Vec<Arc<Cmd>> = agent.commands().values().cloned().collect();
+    let infos: Vec<_> = cmds.iter().map(|c| c.info()).collect();
+    json(StatusCode::OK, &infos)
+}
+
+async fn spawn_command(agent: Arc<Agent>, body: Incoming) -> Response<Body> {
+    let req: SpawnRequest = match read_json(body).await {
+        Ok(r) => r,
+        Err(resp) => return resp,
+    };
+    if let Err(e) = req.validate() {
+        return error(StatusCode::BAD_REQUEST, "bad_request", e.to_string());
+    }
+    let cmd = Arc::new(Cmd::new(req.id.clone()));
+    {
+        let mut map = agent.commands();
+        if map.contains_key(&req.id) {
+            return error(
+                StatusCode::CONFLICT,
+                "conflict",
+                format!("command '{}' already exists", req.id),
+            );
+        }
+        map.insert(req.id.clone(), cmd.clone());
+    }
+
+    let argv0 = req.argv[0].clone();
+    let timeout = req.timeout_ms.filter(|&ms| ms > 0);
+    let outcome = {
+        let (agent, cmd) = (agent.clone(), cmd.clone());
+        tokio::task::spawn_blocking(move || spawn::start(&agent.reaper, &cmd, &req)).await
+    };
+    let outcome = outcome.unwrap_or_else(|_| spawn::Outcome::Failed {
+        code: 126,
+        reason: "internal error while starting".into(),
+    });
+
+    match outcome {
+        spawn::Outcome::Started {
+            pid,
+            stdin,
+            stdout,
+            stderr,
+        } => {
+            let out = stdout.and_then(|fd| pipe::Receiver::from_owned_fd(fd).ok());
+            let err = stderr.and_then(|fd| pipe::Receiver::from_owned_fd(fd).ok());
+            if let Some(tx) = stdin.and_then(|fd| pipe::Sender::from_owned_fd(fd).ok()) {
+                cmd.set_stdin(command::start_stdin_writer(&cmd, tx));
+            }
+            tokio::spawn(command::pump(cmd.clone(), out, err));
+            if let Some(ms) = timeout {
+                let (agent, cmd) = (agent.clone(), cmd.clone());
+                let after = Duration::from_millis(ms).min(MAX_TIMEOUT);
+                tokio::spawn(async move {
+                    tokio::select! {
+                        _ = tokio::time::sleep(after) => agent.reaper.kill_for_timeout(&cmd),
+                        _ = cmd.reaped.cancelled() => {}
+                    }
+                });
+            }
+            json(StatusCode::OK, &SpawnReply { pid })
+        }
+        spawn::Outcome::Failed { code, reason } => {
+            cmd.set_failed(&argv0, code, reason);
+            json(StatusCode::OK, &SpawnReply { pid: 0 })
+        }
+    }
+}
+
+fn delete(agent: &Agent, id: &str) -> Response<Body> {
+    let Some(cmd) = agent.get(id) else {
+        return not_found(id);
+    };
+    if agent.forget(&cmd) {
+        empty(StatusCode::NO_CONTENT)
+    } else {
+        error(
+            StatusCode::CONFLICT,
+            "conflict",
+            format!("command '{id}' is still running"),
+        )
+    }
+}
+
+async fn signal(agent: &Agent, id: &str, body: Incoming) -> Response<Body> {
+    let Some(cmd) = agent.get(id) else {
+        return not_found(id);
+    };
+    let req: SignalRequest = match read_json(body).await {
+        Ok(r) => r,
+        Err(resp) => return resp,
+    };
+    if !(1..=64).contains(&req.signal) {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "bad_request",
+            format!("invalid signal {}", req.signal),
+        );
+    }
+    match agent.reaper.signal(&cmd, req.signal) {
+        Ok(()) => empty(StatusCode::NO_CONTENT),
+        Err(SignalError::NotRunning) => error(
+            StatusCode::CONFLICT,
+            "conflict",
+            format!("command '{id}' is not running"),
+        ),
+        Err(SignalError::Os(e)) if e.raw_os_error() == Some(libc::ESRCH) => error(
+            StatusCode::CONFLICT,
+            "conflict",
+            format!("command '{id}' is not running"),
+        ),
+        Err(SignalError::Os(e)) => error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal",
+            format!("kill: {}", spawn::describe(&e)),
+        ),
+    }
+}
+
+/// `stdout=N&stderr=M`; missing ones are 0.
+fn parse_offsets(query: &str) -> Result<[u64; 2], String> {
+    let mut offsets = [0u64; 2];
+    for pair in query.split('&').filter(|p| !p.is_empty()) {
+        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+        let slot = match k {
+            "stdout" => 0,
+            "stderr" => 1,
+            _ => continue,
+        };
+        offsets[slot] = v.parse().map_err(|_| format!("invalid offset {k}={v:?}"))?;
+    }
+    Ok(offsets)
+}
+
+fn attach(agent: Arc<Agent>, id: &str, query: &str, body: Incoming) -> Response<Body> {
+    let Some(cmd) = agent.get(id) else {
+        return not_found(id);
+    };
+    let offsets = match parse_offsets(query) {
+        Ok(o) => o,
+        Err(msg) => return error(StatusCode::BAD_REQUEST, "bad_request", msg),
+    };
+    let cancel = match cmd.begin_attach(offsets) {
+        Ok(c) => c,
+        Err(AttachError::Range { stream, base, end }) => {
+            return error(
+                StatusCode::RANGE_NOT_SATISFIABLE,
+                "range_not_satisfiable",
+                format!(
+                    "{} offset must be between {base} and {end}",
+                    command::stream_name(stream)
+                ),
+            )
+        }
+    };
+    let (tx, rx) = mpsc::channel(ATTACH_QUEUE);
+    tokio::spawn(command::send_output(
+        cmd.clone(),
+        offsets,
+        tx,
+        cancel.clone(),
+    ));
+    tokio::spawn(read_host_frames(agent, cmd, body, cancel));
+    let mut r = Response::new(BodyExt::boxed(ChannelBody(rx)));
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        header::HeaderValue::from_static("application/octet-stream"),
+    );
+    r
+}
+
+/// Applies the host's frames of one attach until its body ends, the attach is
+/// superseded, or a frame is invalid (which closes the attach).
+async fn read_host_frames(
+    agent: Arc<Agent>,
+    cmd: Arc<Cmd>,
+    mut body: Incoming,
+    cancel: CancellationToken,
+) {
+    let mut decoder = FrameDecoder::new();
+    loop {
+        let next = tokio::select! {
+            f = body.frame() => f,
+            _ = cancel.cancelled() => return,
+        };
+        let data = match next {
+            Some(Ok(f)) => match f.into_data() {
+                Ok(d) => d,
+                Err(_) => continue,
+            },
+            // Body finished or connection gone: output may still flow.
+            None | Some(Err(_)) => return,
+        };
+        decoder.push(&data);
+        loop {
+            let frame = match decoder.next_frame() {
+                Ok(Some(f)) => f,
+                Ok(None) => break,
+                Err(e) => {
+                    eprintln!("space-agent: closing attach of {}: {e}", cmd.id);
+                    cancel.cancel();
+                    return;
+                }
+            };
+            match frame {
+                Frame::Ack { stdout, stderr } => cmd.ack(stdout, stderr),
+                Frame::Stdin(data) => {
+                    if data.is_empty() {
+                        continue;
+                    }
+                    if let Some(stdin) = cmd.stdin() {
+                        tokio::select! {
+                            _ = stdin.send(data) => {}
+                            _ = cancel.cancelled() => return,
+                        }
+                    }
+                }
+                Frame::StdinEof => cmd.close_stdin(),
+                Frame::Done => {
+                    // Only an exited command can be forgotten; the host sends
+                    // Done after the Exit frame, so anything else is ignored.
+                    agent.forget(&cmd);
+                }
+                Frame::Stdout { .. } | Frame::Stderr { .. } | Frame::Exit(_) => {
+                    eprintln!(
+                        "space-agent: closing attach of {}: agent-only frame",
+                        cmd.id
+                    );
+                    cancel.cancel();
+                    return;
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn offsets_parse() {
+        assert_eq!(parse_offsets(""), Ok([0, 0]));
+        assert_eq!(parse_offsets("stdout=5"), Ok([5, 0]));
+        assert_eq!(parse_offsets("stderr=7&stdout=1&x=y"), Ok([1, 7]));
+        assert!(parse_offsets("stdout=-1").is_err());
+        assert!(parse_offsets("stdout").is_err());
+    }
+}

@@ -1,0 +1,180 @@
+//! `space-agent`: PID 1 inside a sandbox.
+//!
+//! It dials the host's Unix socket, introduces itself with a [`Hello`] line and,
+//! once accepted, serves HTTP/2 on that connection (the agent is the server).
+//! When the connection ends it dials again; commands and their unacknowledged
+//! output live in [`http::Agent`] and survive reconnects.
+
+mod command;
+mod http;
+mod reaper;
+mod spawn;
+mod users;
+
+use std::convert::Infallible;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use hyper::server::conn::http2;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use space_agent::protocol::{self, Hello, HelloReply, PROTOCOL_VERSION};
+use tokio::io::AsyncWriteExt;
+use tokio::net::UnixStream;
+use tokio::signal::unix::{signal, SignalKind};
+
+use crate::http::Agent;
+
+const DEFAULT_SOCKET: &str = "/.space/run/agent.sock";
+const DEFAULT_TOKEN_FILE: &str = "/.space/run/token";
+const BACKOFF_MIN: Duration = Duration::from_millis(10);
+const BACKOFF_MAX: Duration = Duration::from_millis(500);
+/// Wait after the host refused the handshake.
+const REFUSED_RETRY: Duration = Duration::from_secs(1);
+/// A host that accepts but never answers the handshake is dropped after this.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+struct Config {
+    socket: String,
+    sandbox_id: String,
+    token: String,
+}
+
+impl Config {
+    fn from_env() -> Result<Config, String> {
+        let var = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
+        let socket = var("SPACE_AGENT_SOCKET").unwrap_or_else(|| DEFAULT_SOCKET.into());
+        let sandbox_id = var("SPACE_SANDBOX_ID").ok_or("SPACE_SANDBOX_ID is not set")?;
+        let token_file = var("SPACE_AGENT_TOKEN_FILE").unwrap_or_else(|| DEFAULT_TOKEN_FILE.into());
+        let token = std::fs::read_to_string(&token_file)
+            .map_err(|e| format!("cannot read token file {token_file}: {e}"))?
+            .trim()
+            .to_string();
+        // The token is only for us: nothing the sandbox runs should read it.
+        let _ = std::fs::remove_file(&token_file);
+        if token.is_empty() {
+            return Err(format!("token file {token_file} is empty"));
+        }
+        if let Some(limit) = var("SPACE_PIDS_LIMIT") {
+            let limit = limit
+                .parse::<u64>()
+                .map_err(|_| format!("SPACE_PIDS_LIMIT {limit:?} is not a number"))?;
+            crate::spawn::set_tasks_limit(limit);
+        }
+        Ok(Config {
+            socket,
+            sandbox_id,
+            token,
+        })
+    }
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cfg = match Config::from_env() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("space-agent: {e}");
+            return ExitCode::from(2);
+        }
+    };
+
+    if std::process::id() != 1 {
+        // Outside a sandbox, orphans of our commands come to us as they would to PID 1.
+        // SAFETY: plain syscall.
+        unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
+    }
+    let agent = Arc::new(Agent::default());
+    // Registered before any spawn, so no SIGCHLD is missed.
+    let sigchld = match signal(SignalKind::child()) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("space-agent: cannot handle SIGCHLD: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    tokio::spawn(reaper::run(agent.reaper.clone(), sigchld));
+
+    dial_loop(&cfg, agent).await;
+    ExitCode::SUCCESS
+}
+
+/// Dials the host forever; serves each accepted connection until it ends.
+async fn dial_loop(cfg: &Config, agent: Arc<Agent>) {
+    let mut backoff = BACKOFF_MIN;
+    let mut quiet = false;
+    loop {
+        let mut stream = match UnixStream::connect(&cfg.socket).await {
+            Ok(s) => s,
+            Err(e) => {
+                if !quiet {
+                    eprintln!(
+                        "space-agent: cannot connect to {}: {e}; retrying",
+                        cfg.socket
+                    );
+                    quiet = true;
+                }
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(BACKOFF_MAX);
+                continue;
+            }
+        };
+        match tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake(&mut stream, cfg)).await {
+            Ok(Ok(reply)) if reply.ok => {
+                backoff = BACKOFF_MIN;
+                quiet = false;
+                serve(stream, agent.clone()).await;
+            }
+            Ok(Ok(reply)) => {
+                eprintln!(
+                    "space-agent: host refused the handshake (protocol {}): {}",
+                    reply.protocol,
+                    reply.error.as_deref().unwrap_or("no reason given")
+                );
+                tokio::time::sleep(REFUSED_RETRY).await;
+            }
+            Ok(Err(e)) => {
+                eprintln!("space-agent: handshake failed: {e}");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(BACKOFF_MAX);
+            }
+            Err(_) => {
+                eprintln!("space-agent: handshake timed out");
+            }
+        }
+    }
+}
+
+async fn handshake(stream: &mut UnixStream, cfg: &Config) -> std::io::Result<HelloReply> {
+    let hello = Hello {
+        protocol: PROTOCOL_VERSION,
+        sandbox_id: cfg.sandbox_id.clone(),
+        token: cfg.token.clone(),
+        agent_version: env!("CARGO_PKG_VERSION").to_string(),
+    };
+    let mut line = serde_json::to_vec(&hello)?;
+    line.push(b'\n');
+    stream.write_all(&line).await?;
+    let reply = protocol::read_handshake_line(stream).await?;
+    serde_json::from_slice(&reply)
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
+}
+
+async fn serve(stream: UnixStream, agent: Arc<Agent>) {
+    let service = service_fn(move |req| {
+        let agent = agent.clone();
+        async move { Ok::<_, Infallible>(http::handle(agent, req).await) }
+    });
+    let mut builder = http2::Builder::new(TokioExecutor::new());
+    builder
+        .initial_stream_window_size(1 << 20)
+        .initial_connection_window_size(4 << 20)
+        .max_concurrent_streams(1024);
+    if let Err(e) = builder
+        .serve_connection(TokioIo::new(stream), service)
+        .await
+    {
+        eprintln!("space-agent: host connection ended: {e}");
+    }
+}

@@ -1,0 +1,117 @@
+//! The one place that waits for children. As PID 1 the agent inherits every
+//! orphan in the sandbox, so it reaps with `waitpid(-1)` on each SIGCHLD; exits of
+//! our commands go to their [`Cmd`], anything else is just reaped.
+//!
+//! Spawning and reaping take the same lock: a child that exits at once cannot
+//! be reaped before its pid is registered, and a pid that is signalled under the
+//! lock cannot be reaped (and so reused) meanwhile.
+
+use std::collections::HashMap;
+use std::io;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use tokio::signal::unix::Signal;
+
+use crate::command::Cmd;
+
+#[derive(Debug, Default)]
+pub struct Reaper {
+    pids: Mutex<HashMap<i32, Arc<Cmd>>>,
+}
+
+/// Why a signal was not delivered.
+#[derive(Debug)]
+pub enum SignalError {
+    /// The command has exited or never started.
+    NotRunning,
+    Os(io::Error),
+}
+
+impl Reaper {
+    fn lock(&self) -> MutexGuard<'_, HashMap<i32, Arc<Cmd>>> {
+        self.pids.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Spawns `c` for `cmd` and registers its pid before the reaper can see it exit.
+    pub fn spawn(
+        &self,
+        c: &mut std::process::Command,
+        cmd: &Arc<Cmd>,
+    ) -> io::Result<std::process::Child> {
+        let mut pids = self.lock();
+        let child = c.spawn()?;
+        cmd.set_pid(child.id());
+        if let Ok(pid) = i32::try_from(child.id()) {
+            pids.insert(pid, cmd.clone());
+        }
+        Ok(child)
+    }
+
+    /// Reaps every child that has exited.
+    pub fn reap(&self) {
+        let mut pids = self.lock();
+        loop {
+            let mut status = 0;
+            // SAFETY: plain syscall with a valid out-pointer.
+            let pid = unsafe { libc::waitpid(-1, &mut status, libc::WNOHANG) };
+            if pid > 0 {
+                if let Some(cmd) = pids.remove(&pid) {
+                    cmd.on_reaped(status);
+                }
+                continue;
+            }
+            if pid < 0 && io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
+                continue;
+            }
+            // 0: children left but none exited; ECHILD: no children at all.
+            break;
+        }
+    }
+
+    /// Sends `sig` to the command's process group (to the process alone if the
+    /// group is gone).
+    pub fn signal(&self, cmd: &Cmd, sig: i32) -> Result<(), SignalError> {
+        let _pids = self.lock();
+        let pid = cmd.running_pid().ok_or(SignalError::NotRunning)?;
+        let pid = i32::try_from(pid).map_err(|_| SignalError::NotRunning)?;
+        // SAFETY: plain syscalls. The pid is ours and unreaped (we hold the lock).
+        if unsafe { libc::kill(-pid, sig) } == 0 {
+            return Ok(());
+        }
+        let group_err = io::Error::last_os_error();
+        if group_err.raw_os_error() == Some(libc::ESRCH) {
+            // SAFETY: as above.
+            if unsafe { libc::kill(pid, sig) } == 0 {
+                return Ok(());
+            }
+            return Err(SignalError::Os(io::Error::last_os_error()));
+        }
+        Err(SignalError::Os(group_err))
+    }
+
+    /// Kills a command whose timeout passed, if it still runs.
+    pub fn kill_for_timeout(&self, cmd: &Cmd) {
+        let _pids = self.lock();
+        let Some(pid) = cmd.running_pid().and_then(|p| i32::try_from(p).ok()) else {
+            return;
+        };
+        cmd.mark_timed_out();
+        // SAFETY: plain syscalls on our own unreaped child.
+        unsafe {
+            if libc::kill(-pid, libc::SIGKILL) != 0 {
+                libc::kill(pid, libc::SIGKILL);
+            }
+        }
+    }
+}
+
+/// Reaps once now (children may have exited before the handler existed), then
+/// on every SIGCHLD. `sigchld` must be created before the first spawn.
+pub async fn run(reaper: Arc<Reaper>, mut sigchld: Signal) {
+    loop {
+        reaper.reap();
+        if sigchld.recv().await.is_none() {
+            return;
+        }
+    }
+}

@@ -1,0 +1,264 @@
+//! Turning a [`SpawnRequest`] into a running process: user, environment,
+//! working directory, `PATH` lookup, and the child-side set-up (own session,
+//! default signals, dropped privileges) that std's `Command` does not do.
+
+use std::ffi::CString;
+use std::io;
+use std::os::fd::OwnedFd;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::Arc;
+
+use space_agent::protocol::SpawnRequest;
+
+use crate::command::Cmd;
+use crate::reaper::Reaper;
+use crate::users;
+
+/// `PATH` when the request's environment has none.
+pub const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+
+/// Exit code of a command whose program was not found.
+const NOT_FOUND: i32 = 127;
+
+/// Most tasks (processes and threads) per user that commands may have; 0 = no limit.
+/// Enforced inside the sandbox with RLIMIT_NPROC, which fails `fork` with EAGAIN,
+/// rather than with the host's pids cgroup, whose limit would crash the sandbox kernel.
+static TASKS_LIMIT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Sets the limit applied to every command started from now on.
+pub fn set_tasks_limit(limit: u64) {
+    TASKS_LIMIT.store(limit, std::sync::atomic::Ordering::Relaxed);
+}
+/// Exit code of a command whose program could not be run for another reason.
+const CANNOT_RUN: i32 = 126;
+
+/// What came of a spawn.
+#[derive(Debug)]
+pub enum Outcome {
+    Started {
+        pid: u32,
+        stdin: Option<OwnedFd>,
+        stdout: Option<OwnedFd>,
+        stderr: Option<OwnedFd>,
+    },
+    /// The program could not be started; the command ends with `code`.
+    Failed { code: i32, reason: String },
+}
+
+fn failed(code: i32, reason: impl Into<String>) -> Outcome {
+    Outcome::Failed {
+        code,
+        reason: reason.into(),
+    }
+}
+
+/// An OS error as its plain description, without std's "(os error N)".
+pub fn describe(e: &io::Error) -> String {
+    let s = e.to_string();
+    match e.raw_os_error() {
+        Some(n) => s
+            .strip_suffix(&format!(" (os error {n})"))
+            .map(str::to_string)
+            .unwrap_or(s),
+        None => s,
+    }
+}
+
+/// Where `argv0` is, as `execve` would find it: a path with a `/` as given
+/// (relative to `cwd`), otherwise the first executable file of that name in `path`.
+fn find_program(argv0: &str, path: &str, cwd: &Path) -> Result<PathBuf, (i32, String)> {
+    if argv0.contains('/') {
+        let p = cwd.join(argv0);
+        return match std::fs::metadata(&p) {
+            Ok(_) => Ok(p),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Err((NOT_FOUND, describe(&e))),
+            // Let exec report anything else precisely.
+            Err(_) => Ok(p),
+        };
+    }
+    let mut denied = false;
+    for dir in path.split(':') {
+        let dir = if dir.is_empty() { "." } else { dir };
+        let candidate = cwd.join(dir).join(argv0);
+        match std::fs::metadata(&candidate) {
+            Ok(m) if m.is_file() && m.permissions().mode() & 0o111 != 0 => return Ok(candidate),
+            Ok(m) if m.is_file() => denied = true,
+            _ => {}
+        }
+    }
+    if denied {
+        Err((CANNOT_RUN, "Permission denied".into()))
+    } else {
+        Err((NOT_FOUND, "command not found".into()))
+    }
+}
+
+/// Starts the process for `cmd`. Blocking (reads files, forks): run it off the runtime.
+pub fn start(reaper: &Reaper, cmd: &Arc<Cmd>, req: &SpawnRequest) -> Outcome {
+    let ident = match users::lookup(req.user.as_deref()) {
+        Ok(i) => i,
+        Err(reason) => return failed(CANNOT_RUN, reason),
+    };
+
+    let mut env = req.env.clone();
+    if !env.iter().any(|(k, _)| k == "HOME") {
+        env.push(("HOME".into(), ident.home.clone()));
+    }
+    let last = |name: &str| {
+        env.iter()
+            .rev()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.clone())
+    };
+    let home = last("HOME").unwrap_or_else(|| ident.home.clone());
+    let path = last("PATH").unwrap_or_else(|| DEFAULT_PATH.to_string());
+
+    let cwd = match &req.cwd {
+        Some(c) => {
+            let p = Path::new("/").join(c);
+            match std::fs::metadata(&p) {
+                Ok(m) if m.is_dir() => p,
+                Ok(_) => {
+                    return failed(
+                        CANNOT_RUN,
+                        format!("working directory '{c}': Not a directory"),
+                    )
+                }
+                Err(e) => {
+                    return failed(
+                        CANNOT_RUN,
+                        format!("working directory '{c}': {}", describe(&e)),
+                    )
+                }
+            }
+        }
+        None => {
+            let h = Path::new("/").join(&home);
+            if h.is_dir() {
+                h
+            } else {
+                PathBuf::from("/")
+            }
+        }
+    };
+    let Ok(cwd_c) = CString::new(cwd.as_os_str().as_bytes()) else {
+        return failed(CANNOT_RUN, "working directory contains NUL");
+    };
+
+    let argv0 = &req.argv[0];
+    let program = match find_program(argv0, &path, &cwd) {
+        Ok(p) => p,
+        Err((code, reason)) => return failed(code, reason),
+    };
+
+    let mut c = std::process::Command::new(&program);
+    c.arg0(argv0)
+        .args(&req.argv[1..])
+        .env_clear()
+        .envs(env)
+        .stdin(if req.stdin {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+
+    // std changes uid/gid and the directory before pre_exec closures run, and
+    // would leave supplementary groups empty; do all of it here instead, in order.
+    // SAFETY: plain syscalls only; the closure allocates nothing.
+    let (uid, gid) = (ident.uid, ident.gid);
+    let tasks_limit = TASKS_LIMIT.load(std::sync::atomic::Ordering::Relaxed);
+    let change_ident =
+        unsafe { libc::geteuid() == 0 || libc::geteuid() != uid || libc::getegid() != gid };
+    unsafe {
+        c.pre_exec(move || {
+            if libc::setsid() < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            let mut set = std::mem::MaybeUninit::<libc::sigset_t>::zeroed();
+            libc::sigemptyset(set.as_mut_ptr());
+            libc::pthread_sigmask(libc::SIG_SETMASK, set.as_ptr(), std::ptr::null_mut());
+            for sig in 1..=64 {
+                if sig != libc::SIGKILL && sig != libc::SIGSTOP {
+                    // Fails harmlessly for the signals libc reserves.
+                    libc::signal(sig, libc::SIG_DFL);
+                }
+            }
+            if tasks_limit > 0 {
+                let lim = libc::rlimit {
+                    rlim_cur: tasks_limit,
+                    rlim_max: tasks_limit,
+                };
+                if libc::setrlimit(libc::RLIMIT_NPROC, &lim) != 0 {
+                    return Err(io::Error::last_os_error());
+                }
+            }
+            if change_ident {
+                let groups = [gid];
+                if libc::setgroups(1, groups.as_ptr()) != 0
+                    || libc::setgid(gid) != 0
+                    || libc::setuid(uid) != 0
+                {
+                    return Err(io::Error::last_os_error());
+                }
+            }
+            if libc::chdir(cwd_c.as_ptr()) != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+
+    match reaper.spawn(&mut c, cmd) {
+        Ok(mut child) => Outcome::Started {
+            pid: child.id(),
+            stdin: child.stdin.take().map(OwnedFd::from),
+            stdout: child.stdout.take().map(OwnedFd::from),
+            stderr: child.stderr.take().map(OwnedFd::from),
+        },
+        Err(e) if e.kind() == io::ErrorKind::NotFound => failed(NOT_FOUND, describe(&e)),
+        Err(e) => failed(CANNOT_RUN, describe(&e)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn finds_programs_like_exec() {
+        let root = Path::new("/");
+        assert_eq!(
+            find_program("sh", DEFAULT_PATH, root).map(|p| p.is_absolute()),
+            Ok(true)
+        );
+        assert_eq!(
+            find_program("no-such-program-xyz", DEFAULT_PATH, root).map_err(|e| e.0),
+            Err(NOT_FOUND)
+        );
+        assert_eq!(
+            find_program("/no/such/file", DEFAULT_PATH, root).map_err(|e| e.0),
+            Err(NOT_FOUND)
+        );
+        // Not executable: found but refused.
+        assert_eq!(
+            find_program("passwd", "/etc", root).map_err(|e| e.0),
+            Err(CANNOT_RUN)
+        );
+        assert_eq!(
+            find_program("bin/sh", "", Path::new("/usr")).map(|p| p.is_absolute()),
+            Ok(true)
+        );
+    }
+
+    #[test]
+    fn describes_os_errors_plainly() {
+        let e = io::Error::from_raw_os_error(libc::ENOENT);
+        assert_eq!(describe(&e), "No such file or directory");
+    }
+}

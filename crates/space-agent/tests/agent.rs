@@ -1,0 +1,773 @@
+//! Runs the real agent binary as a child process and plays the host: listens on
+//! the socket, checks the handshake, then speaks HTTP/2 to the agent.
+
+use std::convert::Infallible;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::{Method, Request, StatusCode};
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::client::conn::http2::SendRequest;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use serde_json::{json, Value};
+use space_agent::protocol::{
+    self, CommandInfo, ExitStatus, Frame, FrameDecoder, Hello, HelloReply, SpawnReply,
+    MAX_DATA_CHUNK, PROTOCOL_VERSION, RETAIN_MAX_BYTES,
+};
+use tokio::io::AsyncWriteExt;
+use tokio::net::UnixListener;
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+
+type Body = BoxBody<Bytes, Infallible>;
+
+/// Longest any single wait in these tests may take before the test fails.
+const WAIT: Duration = Duration::from_secs(20);
+const SANDBOX: &str = "sbx_test";
+
+async fn within<F: std::future::Future>(what: &str, f: F) -> F::Output {
+    match tokio::time::timeout(WAIT, f).await {
+        Ok(v) => v,
+        Err(_) => panic!("timed out waiting for {what}"),
+    }
+}
+
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new() -> TempDir {
+        static N: AtomicU32 = AtomicU32::new(0);
+        let p = std::env::temp_dir().join(format!(
+            "space-agent-test-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        let _ = std::fs::remove_dir_all(&p);
+        std::fs::create_dir_all(&p).expect("create temp dir");
+        TempDir(p)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// The agent under test and the host's listening socket.
+struct Host {
+    listener: UnixListener,
+    agent: Child,
+    token: String,
+    token_file: PathBuf,
+    dir: TempDir,
+}
+
+impl Drop for Host {
+    fn drop(&mut self) {
+        let _ = self.agent.kill();
+        let _ = self.agent.wait();
+    }
+}
+
+impl Host {
+    fn start() -> Host {
+        let dir = TempDir::new();
+        let socket = dir.0.join("agent.sock");
+        let token_file = dir.0.join("token");
+        let token = format!("tok-{}", std::process::id());
+        std::fs::write(&token_file, format!("  {token}\n")).expect("write token");
+        let listener = UnixListener::bind(&socket).expect("bind socket");
+        // SPACE_AGENT_BIN runs the suite against another build (e.g. the static release one).
+        let bin = std::env::var_os("SPACE_AGENT_BIN")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_space-agent")));
+        let agent = Command::new(bin)
+            .env("SPACE_AGENT_SOCKET", &socket)
+            .env("SPACE_SANDBOX_ID", SANDBOX)
+            .env("SPACE_AGENT_TOKEN_FILE", &token_file)
+            .stdin(Stdio::null())
+            .spawn()
+            .expect("start agent");
+        Host {
+            listener,
+            agent,
+            token,
+            token_file,
+            dir,
+        }
+    }
+
+    /// Accepts the agent's next connection, checks its hello and accepts it.
+    async fn accept(&self) -> Conn {
+        let (mut stream, _) = within("agent to connect", self.listener.accept())
+            .await
+            .expect("accept");
+        let line = within("hello", protocol::read_handshake_line(&mut stream))
+            .await
+            .expect("hello line");
+        let hello: Hello = serde_json::from_slice(&line).expect("hello json");
+        assert_eq!(hello.protocol, PROTOCOL_VERSION);
+        assert_eq!(hello.sandbox_id, SANDBOX);
+        assert_eq!(hello.token, self.token);
+        assert!(!hello.agent_version.is_empty());
+        let reply = HelloReply {
+            ok: true,
+            protocol: PROTOCOL_VERSION,
+            error: None,
+        };
+        let mut out = serde_json::to_vec(&reply).expect("json");
+        out.push(b'\n');
+        stream.write_all(&out).await.expect("write reply");
+        let (send, conn) =
+            hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(stream))
+                .await
+                .expect("h2 handshake");
+        let task = tokio::spawn(async move {
+            let _ = conn.await;
+        });
+        Conn { send, task }
+    }
+}
+
+/// A request body the test feeds frame by frame.
+struct ChannelBody(mpsc::Receiver<Bytes>);
+
+impl http_body::Body for ChannelBody {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, Infallible>>> {
+        self.0
+            .poll_recv(cx)
+            .map(|o| o.map(|b| Ok(http_body::Frame::data(b))))
+    }
+}
+
+struct Conn {
+    send: SendRequest<Body>,
+    task: JoinHandle<()>,
+}
+
+impl Conn {
+    /// Closes the connection as a crashing host would.
+    fn drop_connection(self) {
+        self.task.abort();
+    }
+
+    async fn request(
+        &mut self,
+        method: Method,
+        path: &str,
+        body: Option<Value>,
+    ) -> (StatusCode, Bytes) {
+        let body: Body = match body {
+            Some(v) => Full::new(Bytes::from(v.to_string())).boxed(),
+            None => Full::new(Bytes::new()).boxed(),
+        };
+        let req = Request::builder()
+            .method(method)
+            .uri(format!("http://agent{path}"))
+            .header("content-type", "application/json")
+            .body(body)
+            .expect("request");
+        within("send_request ready", self.send.ready())
+            .await
+            .expect("ready");
+        let resp = within(path, self.send.send_request(req))
+            .await
+            .expect("response");
+        let status = resp.status();
+        let bytes = within("response body", resp.into_body().collect())
+            .await
+            .expect("body")
+            .to_bytes();
+        (status, bytes)
+    }
+
+    async fn spawn(&mut self, req: Value) -> u32 {
+        let (status, body) = self.request(Method::POST, "/v1/commands", Some(req)).await;
+        assert_eq!(status, StatusCode::OK, "spawn: {body:?}");
+        let reply: SpawnReply = serde_json::from_slice(&body).expect("spawn reply");
+        reply.pid
+    }
+
+    async fn commands(&mut self) -> Vec<CommandInfo> {
+        let (status, body) = self.request(Method::GET, "/v1/commands", None).await;
+        assert_eq!(status, StatusCode::OK);
+        serde_json::from_slice(&body).expect("command list")
+    }
+
+    async fn command(&mut self, id: &str) -> Option<CommandInfo> {
+        self.commands().await.into_iter().find(|c| c.id == id)
+    }
+
+    /// Polls the command list until `pred` holds for `id`.
+    async fn wait_for(
+        &mut self,
+        id: &str,
+        what: &str,
+        pred: impl Fn(Option<&CommandInfo>) -> bool,
+    ) {
+        let deadline = Instant::now() + WAIT;
+        loop {
+            let info = self.command(id).await;
+            if pred(info.as_ref()) {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "timed out waiting for {what}: {info:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    async fn try_attach(
+        &mut self,
+        id: &str,
+        stdout: u64,
+        stderr: u64,
+    ) -> Result<Attach, (StatusCode, Bytes)> {
+        let (tx, rx) = mpsc::channel(16);
+        let req = Request::builder()
+            .method(Method::POST)
+            .uri(format!(
+                "http://agent/v1/commands/{id}/attach?stdout={stdout}&stderr={stderr}"
+            ))
+            .body(ChannelBody(rx).boxed())
+            .expect("request");
+        within("send_request ready", self.send.ready())
+            .await
+            .expect("ready");
+        let resp = within("attach", self.send.send_request(req))
+            .await
+            .expect("attach response");
+        if resp.status() != StatusCode::OK {
+            let status = resp.status();
+            let body = resp.into_body().collect().await.expect("body").to_bytes();
+            return Err((status, body));
+        }
+        Ok(Attach {
+            tx: Some(tx),
+            body: resp.into_body(),
+            decoder: FrameDecoder::new(),
+            cursor: [stdout, stderr],
+        })
+    }
+
+    async fn attach(&mut self, id: &str, stdout: u64, stderr: u64) -> Attach {
+        match self.try_attach(id, stdout, stderr).await {
+            Ok(a) => a,
+            Err((status, body)) => panic!("attach {id}: {status} {body:?}"),
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct Output {
+    stdout: Vec<u8>,
+    stderr: Vec<u8>,
+    exit: Option<ExitStatus>,
+}
+
+struct Attach {
+    tx: Option<mpsc::Sender<Bytes>>,
+    body: Incoming,
+    decoder: FrameDecoder,
+    /// Next expected offset per stream: frames must be contiguous.
+    cursor: [u64; 2],
+}
+
+impl Attach {
+    async fn send(&self, f: Frame) {
+        let tx = self.tx.as_ref().expect("request body still open");
+        tx.send(f.to_bytes()).await.expect("send frame");
+    }
+
+    fn close_body(&mut self) {
+        self.tx = None;
+    }
+
+    /// The next frame, or `None` when the response ended.
+    async fn next(&mut self) -> Option<Frame> {
+        loop {
+            if let Some(f) = self.decoder.next_frame().expect("agent frame") {
+                match &f {
+                    Frame::Stdout { offset, data } => {
+                        assert_eq!(*offset, self.cursor[0], "stdout offsets are contiguous");
+                        assert!(data.len() <= MAX_DATA_CHUNK);
+                        self.cursor[0] += data.len() as u64;
+                    }
+                    Frame::Stderr { offset, data } => {
+                        assert_eq!(*offset, self.cursor[1], "stderr offsets are contiguous");
+                        assert!(data.len() <= MAX_DATA_CHUNK);
+                        self.cursor[1] += data.len() as u64;
+                    }
+                    _ => {}
+                }
+                return Some(f);
+            }
+            match within("attach frame", self.body.frame()).await {
+                None => {
+                    assert_eq!(self.decoder.pending(), 0, "response ended inside a frame");
+                    return None;
+                }
+                Some(Err(e)) => panic!("attach body: {e}"),
+                Some(Ok(f)) => {
+                    if let Ok(d) = f.into_data() {
+                        self.decoder.push(&d);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Everything up to the end of the response; with `ack`, acknowledges as it goes.
+    async fn collect(&mut self, ack: bool) -> Output {
+        let mut out = Output::default();
+        while let Some(f) = self.next().await {
+            match f {
+                Frame::Stdout { data, .. } => out.stdout.extend_from_slice(&data),
+                Frame::Stderr { data, .. } => out.stderr.extend_from_slice(&data),
+                Frame::Exit(e) => {
+                    assert!(out.exit.is_none(), "one exit frame");
+                    out.exit = Some(e);
+                    continue;
+                }
+                other => panic!("unexpected frame {other:?}"),
+            }
+            assert!(out.exit.is_none(), "output after the exit frame");
+            if ack {
+                self.ack().await;
+            }
+        }
+        out
+    }
+
+    async fn ack(&self) {
+        self.send(Frame::Ack {
+            stdout: self.cursor[0],
+            stderr: self.cursor[1],
+        })
+        .await;
+    }
+}
+
+fn sh(id: &str, script: &str) -> Value {
+    json!({"id": id, "argv": ["sh", "-c", script], "env": [["PATH", "/usr/bin:/bin"]]})
+}
+
+#[tokio::test]
+async fn runs_a_command_and_reports_output_and_exit() {
+    let host = Host::start();
+    let mut conn = host.accept().await;
+    assert!(
+        !host.token_file.exists(),
+        "the agent deletes its token file"
+    );
+
+    let (status, body) = conn.request(Method::GET, "/v1/info", None).await;
+    assert_eq!(status, StatusCode::OK);
+    let info: protocol::AgentInfo = serde_json::from_slice(&body).expect("info");
+    assert_eq!(info.protocol, PROTOCOL_VERSION);
+    assert_eq!(info.commands, 0);
+
+    let pid = conn
+        .spawn(sh("cmd_1", "echo hi; echo err >&2; exit 3"))
+        .await;
+    assert!(pid > 0);
+    let mut a = conn.attach("cmd_1", 0, 0).await;
+    let out = a.collect(false).await;
+    assert_eq!(out.stdout, b"hi\n");
+    assert_eq!(out.stderr, b"err\n");
+    let exit = out.exit.expect("exit frame");
+    assert_eq!(exit.exit_code, Some(3));
+    assert_eq!(exit.signal, None);
+    assert!(!exit.timed_out);
+    assert_eq!(exit.error, None);
+
+    let info = conn.command("cmd_1").await.expect("listed");
+    assert_eq!((info.pid, info.stdout_end, info.stderr_end), (pid, 3, 4));
+    assert_eq!(info.exit.as_ref().and_then(|e| e.exit_code), Some(3));
+
+    // The same id again is a conflict; bad requests are refused with a JSON error.
+    let (status, _) = conn
+        .request(Method::POST, "/v1/commands", Some(sh("cmd_1", "true")))
+        .await;
+    assert_eq!(status, StatusCode::CONFLICT);
+    let (status, body) = conn
+        .request(
+            Method::POST,
+            "/v1/commands",
+            Some(json!({"id": "x", "argv": [], "env": []})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    let err: protocol::ErrorBody = serde_json::from_slice(&body).expect("error body");
+    assert!(!err.error.message.is_empty());
+    let (status, _) = conn
+        .request(
+            Method::POST,
+            "/v1/commands",
+            Some(json!({"nonsense": true})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    let (status, _) = conn.request(Method::GET, "/v1/nowhere", None).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    let (status, _) = conn.request(Method::PUT, "/v1/commands", None).await;
+    assert_eq!(status, StatusCode::METHOD_NOT_ALLOWED);
+    let (status, _) = conn
+        .request(Method::POST, "/v1/commands/nope/attach", None)
+        .await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+
+    // Done (after the exit) makes the agent forget the command.
+    a.send(Frame::Done).await;
+    a.close_body();
+    conn.wait_for("cmd_1", "the command to be forgotten", |c| c.is_none())
+        .await;
+}
+
+#[tokio::test]
+async fn environment_user_and_directory() {
+    let host = Host::start();
+    let mut conn = host.accept().await;
+
+    conn.spawn(json!({"id": "env", "argv": ["env"], "env": [["A", "b"]]}))
+        .await;
+    let out = conn.attach("env", 0, 0).await.collect(true).await;
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "A=b\nHOME=/root\n");
+    assert_eq!(out.exit.and_then(|e| e.exit_code), Some(0));
+
+    conn.spawn(json!({"id": "cwd", "argv": ["pwd"], "env": [], "cwd": "/tmp"}))
+        .await;
+    let out = conn.attach("cwd", 0, 0).await.collect(true).await;
+    assert_eq!(out.stdout, b"/tmp\n");
+
+    // SAFETY: plain syscall.
+    if unsafe { libc::geteuid() } == 0 {
+        let script = "id -u; id -g; id -G; echo $HOME; pwd";
+        let mut req = sh("user", script);
+        req["user"] = json!("nobody");
+        conn.spawn(req).await;
+        let out = conn.attach("user", 0, 0).await.collect(true).await;
+        // nobody's home does not exist: it starts in /.
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout),
+            "65534\n65534\n65534\n/nonexistent\n/\n"
+        );
+        let mut req = sh("user2", "id -u; id -G");
+        req["user"] = json!("1234:4321");
+        conn.spawn(req).await;
+        let out = conn.attach("user2", 0, 0).await.collect(true).await;
+        assert_eq!(String::from_utf8_lossy(&out.stdout), "1234\n4321\n");
+    }
+}
+
+#[tokio::test]
+async fn signals_supersede_and_delete() {
+    let host = Host::start();
+    let mut conn = host.accept().await;
+    let pid = conn
+        .spawn(json!({"id": "sleeper", "argv": ["sleep", "30"], "env": []}))
+        .await;
+    assert!(pid > 0);
+
+    // A second attach ends the first one's response (without an exit frame).
+    let mut first = conn.attach("sleeper", 0, 0).await;
+    let mut second = conn.attach("sleeper", 0, 0).await;
+    let out = first.collect(false).await;
+    assert!(out.exit.is_none() && out.stdout.is_empty());
+
+    let (status, _) = conn
+        .request(Method::DELETE, "/v1/commands/sleeper", None)
+        .await;
+    assert_eq!(
+        status,
+        StatusCode::CONFLICT,
+        "running commands are not forgotten"
+    );
+    let signal = "/v1/commands/sleeper/signal";
+    let (status, _) = conn
+        .request(Method::POST, signal, Some(json!({"signal": 0})))
+        .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    let (status, _) = conn
+        .request(Method::POST, signal, Some(json!({"signal": 9})))
+        .await;
+    assert!(status.is_success(), "{status}");
+
+    let exit = second.collect(false).await.exit.expect("exit");
+    assert_eq!(exit.signal, Some(9));
+    assert_eq!(exit.exit_code, None);
+    assert!(!exit.timed_out);
+
+    let (status, _) = conn
+        .request(Method::POST, signal, Some(json!({"signal": 9})))
+        .await;
+    assert_eq!(status, StatusCode::CONFLICT);
+    let (status, _) = conn
+        .request(Method::DELETE, "/v1/commands/sleeper", None)
+        .await;
+    assert_eq!(status, StatusCode::NO_CONTENT);
+    let (status, _) = conn
+        .request(Method::DELETE, "/v1/commands/sleeper", None)
+        .await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+}
+
+#[tokio::test]
+async fn timeout_kills_the_process_group() {
+    let host = Host::start();
+    let mut conn = host.accept().await;
+    let mut req = sh("slow", "sleep 30");
+    req["timeout_ms"] = json!(200);
+    let started = Instant::now();
+    conn.spawn(req).await;
+    let exit = conn
+        .attach("slow", 0, 0)
+        .await
+        .collect(true)
+        .await
+        .exit
+        .expect("exit");
+    assert!(exit.timed_out);
+    assert_eq!(exit.signal, Some(9));
+    assert!(exit.duration_ms >= 200, "{exit:?}");
+    // The sleep in the group was killed too, or the exit would have waited 30 s.
+    assert!(started.elapsed() < Duration::from_secs(20));
+}
+
+#[tokio::test]
+async fn programs_that_cannot_start() {
+    let host = Host::start();
+    let mut conn = host.accept().await;
+
+    let pid = conn
+        .spawn(json!({"id": "nf", "argv": ["no-such-program-xyz", "a"], "env": []}))
+        .await;
+    assert_eq!(pid, 0);
+    let out = conn.attach("nf", 0, 0).await.collect(true).await;
+    let exit = out.exit.expect("exit");
+    assert_eq!(exit.exit_code, Some(127));
+    assert!(exit.error.is_some());
+    let msg = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        msg.starts_with("space-agent: cannot run 'no-such-program-xyz': ") && msg.ends_with('\n'),
+        "{msg}"
+    );
+
+    conn.spawn(json!({"id": "cwd", "argv": ["true"], "env": [], "cwd": "/no/such/dir"}))
+        .await;
+    let exit = conn
+        .attach("cwd", 0, 0)
+        .await
+        .collect(true)
+        .await
+        .exit
+        .expect("exit");
+    assert_eq!(exit.exit_code, Some(126));
+
+    conn.spawn(json!({"id": "user", "argv": ["true"], "env": [], "user": "no-such-user"}))
+        .await;
+    let exit = conn
+        .attach("user", 0, 0)
+        .await
+        .collect(true)
+        .await
+        .exit
+        .expect("exit");
+    assert_eq!(exit.exit_code, Some(126));
+
+    conn.spawn(json!({"id": "noexec", "argv": ["/etc/passwd"], "env": []}))
+        .await;
+    let exit = conn
+        .attach("noexec", 0, 0)
+        .await
+        .collect(true)
+        .await
+        .exit
+        .expect("exit");
+    assert_eq!(exit.exit_code, Some(126));
+}
+
+#[tokio::test]
+async fn stdin_is_fed_from_frames() {
+    let host = Host::start();
+    let mut conn = host.accept().await;
+    conn.spawn(json!({"id": "cat", "argv": ["cat"], "env": [], "stdin": true}))
+        .await;
+    let mut a = conn.attach("cat", 0, 0).await;
+    a.send(Frame::Stdin(Bytes::from_static(b"hello "))).await;
+    a.send(Frame::Stdin(Bytes::from_static(b"world"))).await;
+    a.send(Frame::StdinEof).await;
+    let out = a.collect(true).await;
+    assert_eq!(out.stdout, b"hello world");
+    assert_eq!(out.exit.and_then(|e| e.exit_code), Some(0));
+
+    // Far more than the retention bound through `cat`, with acks behind the stdin
+    // in the same request body: must neither stall nor lose a byte.
+    conn.spawn(json!({"id": "bigcat", "argv": ["cat"], "env": [], "stdin": true}))
+        .await;
+    let mut a = conn.attach("bigcat", 0, 0).await;
+    let tx = a.tx.clone().expect("body open");
+    const TOTAL: usize = 6 << 20;
+    let writer = tokio::spawn(async move {
+        let mut sent = 0usize;
+        let mut i = 0u8;
+        while sent < TOTAL {
+            let chunk: Vec<u8> = (0..32 * 1024).map(|j| i.wrapping_add(j as u8)).collect();
+            i = i.wrapping_add(1);
+            sent += chunk.len();
+            tx.send(Frame::Stdin(Bytes::from(chunk)).to_bytes())
+                .await
+                .expect("stdin");
+        }
+        tx.send(Frame::StdinEof.to_bytes()).await.expect("eof");
+    });
+    let out = a.collect(true).await;
+    within("stdin writer", writer).await.expect("writer");
+    assert_eq!(out.stdout.len(), TOTAL);
+    let mut expected = Vec::with_capacity(TOTAL);
+    let mut i = 0u8;
+    while expected.len() < TOTAL {
+        expected.extend((0..32 * 1024).map(|j| i.wrapping_add(j as u8)));
+        i = i.wrapping_add(1);
+    }
+    assert!(out.stdout == expected, "cat echoed the bytes exactly");
+    assert_eq!(out.exit.and_then(|e| e.exit_code), Some(0));
+}
+
+#[tokio::test]
+async fn unacknowledged_output_is_bounded_and_never_lost() {
+    let host = Host::start();
+    let mut conn = host.accept().await;
+    const TOTAL: u64 = 5_000_000;
+    conn.spawn(
+        json!({"id": "big", "argv": ["head", "-c", TOTAL.to_string(), "/dev/zero"], "env": []}),
+    )
+    .await;
+    let mut a = conn.attach("big", 0, 0).await;
+
+    // Without acks the agent stops at the retention bound.
+    let mut got = Vec::new();
+    while (got.len() as u64) < RETAIN_MAX_BYTES as u64 {
+        match a.next().await {
+            Some(Frame::Stdout { data, .. }) => got.extend_from_slice(&data),
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!(got.len(), RETAIN_MAX_BYTES);
+    let info = conn.command("big").await.expect("listed");
+    assert_eq!(info.stdout_end, RETAIN_MAX_BYTES as u64);
+    assert!(info.exit.is_none());
+    // The only way to observe that nothing more is read is to give it a moment.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let info = conn.command("big").await.expect("listed");
+    assert_eq!(info.stdout_end, RETAIN_MAX_BYTES as u64, "reading stopped");
+    assert_eq!(info.stdout_base, 0);
+
+    // Acknowledging lets the rest through, exactly.
+    a.ack().await;
+    let out = a.collect(true).await;
+    got.extend_from_slice(&out.stdout);
+    assert_eq!(got.len() as u64, TOTAL);
+    assert!(got.iter().all(|&b| b == 0));
+    assert_eq!(out.exit.and_then(|e| e.exit_code), Some(0));
+    let info = conn.command("big").await.expect("listed");
+    assert_eq!(info.stdout_end, TOTAL);
+}
+
+#[tokio::test]
+async fn output_survives_a_reconnect() {
+    let host = Host::start();
+    let mut conn = host.accept().await;
+    let trigger = host.dir.0.join("go");
+    let script = format!(
+        "printf first; while [ ! -e {} ]; do sleep 0.01; done; printf second; printf third >&2",
+        trigger.display()
+    );
+    conn.spawn(sh("resume", &script)).await;
+    let mut a = conn.attach("resume", 0, 0).await;
+    let mut got = Vec::new();
+    while got.len() < 5 {
+        match a.next().await {
+            Some(Frame::Stdout { data, .. }) => got.extend_from_slice(&data),
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!(got, b"first");
+    a.ack().await;
+    conn.wait_for("resume", "the ack", |c| {
+        c.is_some_and(|c| c.stdout_base == 5)
+    })
+    .await;
+
+    // The host goes away while the command runs; output keeps accumulating.
+    drop(a);
+    conn.drop_connection();
+    std::fs::write(&trigger, b"").expect("trigger");
+
+    let mut conn = host.accept().await;
+    conn.wait_for("resume", "the command to finish", |c| {
+        c.is_some_and(|c| c.exit.is_some())
+    })
+    .await;
+    for (so, se) in [(0, 0), (100, 0), (5, 9)] {
+        match conn.try_attach("resume", so, se).await {
+            Err((status, _)) => assert_eq!(status, StatusCode::RANGE_NOT_SATISFIABLE),
+            Ok(_) => panic!("attach at {so}/{se} must be refused"),
+        }
+    }
+    let out = conn.attach("resume", 5, 0).await.collect(false).await;
+    assert_eq!(out.stdout, b"second");
+    assert_eq!(out.stderr, b"third");
+    assert_eq!(out.exit.and_then(|e| e.exit_code), Some(0));
+
+    // Offsets inside a chunk get exactly the bytes from there on.
+    let out = conn.attach("resume", 8, 2).await.collect(false).await;
+    assert_eq!(out.stdout, b"ond");
+    assert_eq!(out.stderr, b"ird");
+    assert!(out.exit.is_some());
+}
+
+#[tokio::test]
+async fn background_children_do_not_hold_a_command_and_orphans_are_reaped() {
+    let host = Host::start();
+    let mut conn = host.accept().await;
+    conn.spawn(sh("bg", "sleep 30 & echo $!")).await;
+    let started = Instant::now();
+    let out = conn.attach("bg", 0, 0).await.collect(true).await;
+    assert!(started.elapsed() < Duration::from_secs(20));
+    assert_eq!(out.exit.and_then(|e| e.exit_code), Some(0));
+    let bg: u32 = String::from_utf8_lossy(&out.stdout)
+        .trim()
+        .parse()
+        .expect("background pid");
+
+    // The orphaned sleep now belongs to the agent (PID 1 in a sandbox, a
+    // subreaper here). Kill it from inside, as the pids are the agent's, and
+    // check that it does not stay a zombie (a zombie keeps its /proc entry).
+    let script = format!(
+        "kill -9 {bg}; i=0; while [ -e /proc/{bg} ] && [ $i -lt 1000 ]; do sleep 0.01; i=$((i+1)); done; [ ! -e /proc/{bg} ]"
+    );
+    conn.spawn(sh("reap", &script)).await;
+    let out = conn.attach("reap", 0, 0).await.collect(true).await;
+    assert_eq!(
+        out.exit.and_then(|e| e.exit_code),
+        Some(0),
+        "orphan {bg} was reaped"
+    );
+}

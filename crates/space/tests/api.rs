@@ -1,0 +1,553 @@
+//! The v1 API end to end: real server, real runsc, real SQLite.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use common::{decode, TestServer, TOKEN};
+use serde_json::{json, Value};
+
+#[tokio::test]
+async fn python_on_debian_prints_42() {
+    let s = TestServer::start().await;
+    let sb = s.create("debian").await;
+    let cmd = s.run(&sb, &["python3", "-c", "print(6*7)"]).await;
+    assert_eq!(cmd["state"], "exited", "{cmd}");
+    assert_eq!(cmd["result"]["exit_code"], 0);
+    assert_eq!(cmd["stdout"], "42\n");
+    assert_eq!(cmd["result"]["stdout_bytes"], 3);
+    s.destroy(&sb).await;
+}
+
+#[tokio::test]
+async fn exit_codes_signals_and_env() {
+    let s = TestServer::start().await;
+    let sb = s
+        .create_with(json!({"template": "busybox", "env": {"SB_VAR": "from-sandbox"}}))
+        .await;
+
+    let cmd = s.sh(&sb, "exit 3").await;
+    assert_eq!(cmd["state"], "exited");
+    assert_eq!(cmd["result"]["exit_code"], 3);
+    assert_eq!(cmd["result"]["signal"], Value::Null);
+
+    // Killed by a signal: reported as the signal, not as an exit code.
+    let cmd = s.sh(&sb, "kill -9 $$").await;
+    assert_eq!(cmd["state"], "killed", "{cmd}");
+    assert_eq!(cmd["result"]["signal"], 9);
+    assert_eq!(cmd["result"]["exit_code"], Value::Null);
+
+    // A signal sent through the API reaches the command.
+    let (st, cmd) = s
+        .post(
+            &format!("/v1/sandboxes/{sb}/commands"),
+            json!({"argv": ["sleep", "300"]}),
+        )
+        .await;
+    assert_eq!(st, 201, "{cmd}");
+    assert_eq!(cmd["state"], "running");
+    let cid = cmd["id"].as_str().unwrap();
+    let (st, _) = s
+        .post(
+            &format!("/v1/sandboxes/{sb}/commands/{cid}/signal"),
+            json!({"signal": "TERM"}),
+        )
+        .await;
+    assert_eq!(st, 200);
+    let (_, cmd) = s
+        .get(&format!("/v1/sandboxes/{sb}/commands/{cid}?wait=30s"))
+        .await;
+    assert_eq!(cmd["state"], "killed", "{cmd}");
+    assert_eq!(cmd["result"]["signal"], 15);
+
+    // stdout and stderr stay apart; env, cwd and user are applied.
+    let (st, cmd) = s
+        .post(
+            &format!("/v1/sandboxes/{sb}/commands"),
+            json!({
+                "shell": "echo out; echo err >&2; echo $SB_VAR $CMD_VAR; pwd; id -u",
+                "env": {"CMD_VAR": "from-command"},
+                "cwd": "/tmp",
+                "user": "user",
+                "wait": true
+            }),
+        )
+        .await;
+    assert_eq!(st, 201, "{cmd}");
+    assert_eq!(
+        cmd["stdout"],
+        "out\nfrom-sandbox from-command\n/tmp\n1000\n"
+    );
+    assert_eq!(cmd["stderr"], "err\n");
+
+    // A program that does not exist: exit 127 and a message, like a shell.
+    let cmd = s.run(&sb, &["/no/such/program"]).await;
+    assert_eq!(cmd["result"]["exit_code"], 127, "{cmd}");
+    assert!(cmd["stderr"].as_str().unwrap().contains("/no/such/program"));
+
+    // A timeout kills the command and says so.
+    let (st, cmd) = s
+        .post(
+            &format!("/v1/sandboxes/{sb}/commands"),
+            json!({"argv": ["sleep", "300"], "timeout_seconds": 1, "wait": true}),
+        )
+        .await;
+    assert_eq!(st, 201);
+    assert_eq!(cmd["state"], "timed_out", "{cmd}");
+    assert_eq!(cmd["result"]["timed_out"], true);
+
+    let (_, list) = s.get(&format!("/v1/sandboxes/{sb}/commands")).await;
+    assert_eq!(list["commands"].as_array().unwrap().len(), 6);
+    s.destroy(&sb).await;
+}
+
+/// Everything under `dir` with its type, size, mode and mtime.
+fn tree_fingerprint(dir: &Path) -> BTreeMap<String, String> {
+    use std::os::unix::fs::MetadataExt;
+    let mut out = BTreeMap::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap().flatten() {
+            let m = std::fs::symlink_metadata(e.path()).unwrap();
+            let rel = e.path().strip_prefix(dir).unwrap().display().to_string();
+            out.insert(
+                rel,
+                format!(
+                    "{:o} {} {} {}",
+                    m.mode(),
+                    m.len(),
+                    m.mtime(),
+                    m.mtime_nsec()
+                ),
+            );
+            if m.is_dir() {
+                stack.push(e.path());
+            }
+        }
+    }
+    out
+}
+
+#[tokio::test]
+async fn writes_stay_in_their_sandbox_and_the_template_is_untouched() {
+    let s = TestServer::start().await;
+    let rootfs = common::templates_dir().join("busybox/rootfs");
+    let a = s.create("busybox").await;
+    let before = tree_fingerprint(&rootfs);
+    let b = s.create("busybox").await;
+
+    // Files and directories persist across commands; cwd can point into them.
+    let cmd = s
+        .sh(
+            &a,
+            "mkdir -p /work/dir && echo hello > /work/dir/f && echo etc >> /etc/passwd",
+        )
+        .await;
+    assert_eq!(cmd["result"]["exit_code"], 0, "{cmd}");
+    let (_, cmd) = s
+        .post(
+            &format!("/v1/sandboxes/{a}/commands"),
+            json!({"shell": "pwd; cat f", "cwd": "/work/dir", "wait": true}),
+        )
+        .await;
+    assert_eq!(cmd["stdout"], "/work/dir\nhello\n", "{cmd}");
+
+    // The other sandbox from the same template sees none of it.
+    let cmd = s
+        .sh(
+            &b,
+            "ls /work 2>&1; grep -c etc /etc/passwd; echo b > /tmp/only-b",
+        )
+        .await;
+    assert!(
+        cmd["stdout"].as_str().unwrap().contains("No such file"),
+        "{cmd}"
+    );
+    let cmd = s.sh(&a, "cat /tmp/only-b").await;
+    assert_ne!(cmd["result"]["exit_code"], 0);
+
+    s.destroy(&a).await;
+    s.destroy(&b).await;
+    assert_eq!(before, tree_fingerprint(&rootfs), "the template changed");
+}
+
+#[tokio::test]
+async fn a_mebibyte_of_stdout_arrives_complete_and_replays_from_any_offset() {
+    let s = TestServer::start().await;
+    let sb = s.create("busybox").await;
+    // 1 MiB of numbered lines, then a marker on stderr.
+    let script =
+        "i=0; while [ $i -lt 16384 ]; do printf '%063d\\n' $i; i=$((i+1)); done; echo done >&2";
+    let cmd = s.sh(&sb, script).await;
+    assert_eq!(cmd["result"]["exit_code"], 0, "{cmd}");
+    let expected: Vec<u8> = (0..16384)
+        .flat_map(|i| format!("{i:063}\n").into_bytes())
+        .collect();
+    assert_eq!(expected.len(), 1 << 20);
+    assert_eq!(cmd["result"]["stdout_bytes"], 1 << 20);
+    assert_eq!(cmd["stdout"].as_str().unwrap().as_bytes(), &expected[..]);
+    let cid = cmd["id"].as_str().unwrap();
+
+    let (chunks, end) = s.output(&sb, cid, "stream=stdout").await;
+    assert_eq!(decode(&chunks, None), expected);
+    assert_eq!(end.unwrap()["result"]["exit_code"], 0);
+
+    for offset in [0usize, 1, 65_535, 65_536, 777_777, (1 << 20) - 1, 1 << 20] {
+        let (chunks, _) = s
+            .output(&sb, cid, &format!("stream=stdout&offset={offset}"))
+            .await;
+        assert_eq!(
+            decode(&chunks, None),
+            &expected[offset..],
+            "offset {offset}"
+        );
+        if let Some(first) = chunks.first() {
+            assert_eq!(first["offset"], offset);
+        }
+    }
+
+    // The combined view: both streams in arrival order, stderr last here.
+    let (chunks, _) = s.output(&sb, cid, "").await;
+    let all = decode(&chunks, None);
+    assert_eq!(&all[..expected.len()], &expected[..]);
+    assert_eq!(&all[expected.len()..], b"done\n");
+    let (chunks, _) = s
+        .output(&sb, cid, &format!("offset={}", expected.len() + 2))
+        .await;
+    assert_eq!(decode(&chunks, Some("stderr")), b"ne\n");
+    s.destroy(&sb).await;
+}
+
+#[tokio::test]
+async fn output_streams_live_with_follow() {
+    let s = TestServer::start().await;
+    let sb = s.create("busybox").await;
+    let (st, cmd) = s
+        .post(
+            &format!("/v1/sandboxes/{sb}/commands"),
+            json!({"shell": "for i in 1 2 3 4 5; do echo line $i; sleep 0.2; done; exit 4"}),
+        )
+        .await;
+    assert_eq!(st, 201);
+    let cid = cmd["id"].as_str().unwrap();
+    let (chunks, end) = s.output(&sb, cid, "follow=true").await;
+    assert_eq!(
+        String::from_utf8(decode(&chunks, Some("stdout"))).unwrap(),
+        "line 1\nline 2\nline 3\nline 4\nline 5\n"
+    );
+    let end = end.expect("a result line");
+    assert_eq!(end["result"]["exit_code"], 4);
+    assert_eq!(end["state"], "exited");
+    s.destroy(&sb).await;
+}
+
+#[tokio::test]
+async fn a_command_running_at_destroy_ends_lost() {
+    let s = TestServer::start().await;
+    let sb = s.create("busybox").await;
+    let (st, cmd) = s
+        .post(
+            &format!("/v1/sandboxes/{sb}/commands"),
+            json!({"argv": ["sleep", "600"]}),
+        )
+        .await;
+    assert_eq!(st, 201);
+    let cid = cmd["id"].as_str().unwrap().to_string();
+    s.destroy(&sb).await;
+    let (st, cmd) = s.get(&format!("/v1/sandboxes/{sb}/commands/{cid}")).await;
+    assert_eq!(st, 200);
+    assert_eq!(cmd["state"], "lost", "{cmd}");
+    assert_eq!(cmd["result"], Value::Null);
+    assert!(cmd["lost_reason"].as_str().unwrap().contains("destroyed"));
+}
+
+#[tokio::test]
+async fn bad_input_gets_a_clear_error_and_changes_nothing() {
+    let s = TestServer::start().await;
+    let sb = s.create("busybox").await;
+    let count = |s: &TestServer| {
+        let s = s.url.clone();
+        async move {
+            let v: Value = reqwest::Client::new()
+                .get(format!("{s}/v1/sandboxes"))
+                .bearer_auth(TOKEN)
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            v["sandboxes"].as_array().unwrap().len()
+        }
+    };
+    let before = count(&s).await;
+
+    let raw = |body: &'static str| {
+        s.req(reqwest::Method::POST, "/v1/sandboxes")
+            .header("content-type", "application/json")
+            .body(body)
+    };
+    for (body, want) in [
+        ("{not json", 400),
+        (r#"{"template":"busybox","bogus":1}"#, 400),
+        (r#"{"template":"no-such-template"}"#, 404),
+        (r#"{"template":"busybox","runtime":"docker"}"#, 400),
+        (r#"{"template":"busybox","resources":{"vcpus":0}}"#, 400),
+        (r#"{"template":"busybox","env":{"A=B":"c"}}"#, 400),
+        (r#"{"template":"../../etc"}"#, 404),
+    ] {
+        let resp = raw(body).send().await.unwrap();
+        assert_eq!(resp.status().as_u16(), want, "{body}");
+        let v: Value = resp.json().await.unwrap();
+        assert!(v["error"]["code"].is_string(), "{v}");
+        assert!(!v["error"]["message"].as_str().unwrap().is_empty(), "{v}");
+    }
+
+    // Oversized body.
+    let big = format!(
+        r#"{{"template":"busybox","labels":{{"a":"{}"}}}}"#,
+        "x".repeat(2 << 20)
+    );
+    let resp = s
+        .req(reqwest::Method::POST, "/v1/sandboxes")
+        .header("content-type", "application/json")
+        .body(big)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 413);
+
+    // Wrong or missing token.
+    for auth in [Some("Bearer wrong"), None] {
+        let mut rb = s.http.get(format!("{}/v1/sandboxes", s.url));
+        if let Some(a) = auth {
+            rb = rb.header("authorization", a);
+        }
+        let resp = rb.send().await.unwrap();
+        assert_eq!(resp.status().as_u16(), 401);
+        let v: Value = resp.json().await.unwrap();
+        assert_eq!(v["error"]["code"], "unauthorized");
+    }
+
+    // Unknown sandbox, operation and command.
+    let (st, v) = s.get("/v1/sandboxes/sb_aaaaaaaaaaaaaaaaaaaa").await;
+    assert_eq!(st, 404, "{v}");
+    let (st, _) = s.get("/v1/sandboxes/not-an-id").await;
+    assert_eq!(st, 404);
+    let (st, _) = s.delete("/v1/sandboxes/sb_aaaaaaaaaaaaaaaaaaaa").await;
+    assert_eq!(st, 404);
+    let (st, _) = s.get("/v1/operations/op_aaaaaaaaaaaaaaaaaaaa").await;
+    assert_eq!(st, 404);
+    let (st, _) = s
+        .get(&format!(
+            "/v1/sandboxes/{sb}/commands/cmd_aaaaaaaaaaaaaaaaaaaa"
+        ))
+        .await;
+    assert_eq!(st, 404);
+
+    // Bad commands.
+    for body in [
+        json!({}),
+        json!({"argv": []}),
+        json!({"argv": ["true"], "shell": "true"}),
+        json!({"argv": ["true"], "nope": 1}),
+        json!({"argv": ["a\u{0}b"]}),
+    ] {
+        let (st, v) = s
+            .post(&format!("/v1/sandboxes/{sb}/commands"), body.clone())
+            .await;
+        assert_eq!(st, 400, "{body} -> {v}");
+    }
+    let (st, _) = s
+        .get(&format!(
+            "/v1/sandboxes/{sb}/commands/cmd_aaaaaaaaaaaaaaaaaaaa/output?offset=-1"
+        ))
+        .await;
+    assert!(st == 400 || st == 404);
+    let (st, _) = s
+        .get("/v1/operations/op_aaaaaaaaaaaaaaaaaaaa?wait=forever")
+        .await;
+    assert_eq!(st, 400);
+
+    // Illegal transitions: 409 with the reason.
+    let (st, v) = s
+        .post(&format!("/v1/sandboxes/{sb}/resume"), json!({}))
+        .await;
+    assert_eq!(st, 409, "{v}");
+    assert_eq!(
+        v["error"]["message"],
+        "cannot resume a sandbox that is running"
+    );
+    let (_, list) = s.get(&format!("/v1/sandboxes/{sb}/commands")).await;
+    assert!(list["commands"].as_array().unwrap().is_empty(), "{list}");
+    assert_eq!(count(&s).await, before);
+
+    s.destroy(&sb).await;
+    let (st, v) = s.delete(&format!("/v1/sandboxes/{sb}")).await;
+    assert_eq!(st, 409, "{v}");
+    let (st, _) = s
+        .post(
+            &format!("/v1/sandboxes/{sb}/commands"),
+            json!({"argv": ["true"]}),
+        )
+        .await;
+    assert_eq!(st, 409);
+}
+
+#[tokio::test]
+async fn pause_and_resume_keep_the_sandbox() {
+    let s = TestServer::start().await;
+    let sb = s.create("busybox").await;
+    s.sh(&sb, "echo kept > /tmp/f").await;
+    let (st, op) = s
+        .post(&format!("/v1/sandboxes/{sb}/pause"), json!({}))
+        .await;
+    assert_eq!(st, 202);
+    assert_eq!(
+        s.wait_op(op["id"].as_str().unwrap()).await["status"],
+        "succeeded"
+    );
+    let (_, v) = s.get(&format!("/v1/sandboxes/{sb}")).await;
+    assert_eq!(v["state"], "paused");
+    let (st, _) = s
+        .post(
+            &format!("/v1/sandboxes/{sb}/commands"),
+            json!({"argv": ["true"]}),
+        )
+        .await;
+    assert_eq!(st, 409);
+    let (st, op) = s
+        .post(&format!("/v1/sandboxes/{sb}/resume"), json!({}))
+        .await;
+    assert_eq!(st, 202);
+    assert_eq!(
+        s.wait_op(op["id"].as_str().unwrap()).await["status"],
+        "succeeded"
+    );
+    assert_eq!(s.sh(&sb, "cat /tmp/f").await["stdout"], "kept\n");
+    s.destroy(&sb).await;
+}
+
+#[tokio::test]
+async fn operations_list_wait_and_cancel_a_pending_create() {
+    // One create at a time: the later ones wait as `pending`.
+    let s = TestServer::start_with(&["--max-concurrent-creates", "1"]).await;
+    let mut ops = Vec::new();
+    for _ in 0..4 {
+        let (st, op) = s
+            .post("/v1/sandboxes", json!({"template": "busybox"}))
+            .await;
+        assert_eq!(st, 202);
+        assert_eq!(op["status"], "pending");
+        ops.push(op);
+    }
+    let last = ops.last().unwrap();
+    let last_id = last["id"].as_str().unwrap();
+    let (st, cancelled) = s
+        .post(&format!("/v1/operations/{last_id}/cancel"), json!({}))
+        .await;
+    assert_eq!(st, 200, "{cancelled}");
+    assert_eq!(cancelled["status"], "cancelled");
+    let sb_cancelled = last["sandbox_id"].as_str().unwrap();
+    let (_, v) = s.get(&format!("/v1/sandboxes/{sb_cancelled}")).await;
+    assert_eq!(v["state"], "destroyed");
+
+    let mut sandboxes = Vec::new();
+    for op in &ops[..3] {
+        let done = s.wait_op(op["id"].as_str().unwrap()).await;
+        assert_eq!(done["status"], "succeeded", "{done}");
+        sandboxes.push(done["sandbox_id"].as_str().unwrap().to_string());
+    }
+    // A finished operation cannot be cancelled.
+    let first = ops[0]["id"].as_str().unwrap();
+    let (st, _) = s
+        .post(&format!("/v1/operations/{first}/cancel"), json!({}))
+        .await;
+    assert_eq!(st, 409);
+
+    let (st, list) = s.get("/v1/operations?limit=100").await;
+    assert_eq!(st, 200);
+    assert_eq!(list["operations"].as_array().unwrap().len(), 4);
+    let (_, list) = s
+        .get(&format!("/v1/operations?sandbox_id={}", sandboxes[0]))
+        .await;
+    assert_eq!(list["operations"].as_array().unwrap().len(), 1);
+
+    // Labels filter the sandbox list.
+    let labelled = s
+        .create_with(json!({"template": "busybox", "labels": {"team": "red"}}))
+        .await;
+    let (_, list) = s.get("/v1/sandboxes?label=team=red").await;
+    let ids: Vec<&str> = list["sandboxes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, vec![labelled.as_str()]);
+
+    let (_, templates) = s.get("/v1/templates").await;
+    let names: Vec<&str> = templates["templates"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["name"].as_str().unwrap())
+        .collect();
+    assert!(names.contains(&"busybox") && names.contains(&"debian"));
+
+    for sb in sandboxes.iter().chain([&labelled]) {
+        s.destroy(sb).await;
+    }
+    s.assert_nothing_left(sb_cancelled);
+}
+
+#[tokio::test]
+async fn resources_are_applied() {
+    let s = TestServer::start().await;
+    let sb = s
+        .create_with(json!({
+            "template": "busybox",
+            "resources": {"vcpus": 2, "memory_mib": 256, "pids": 64}
+        }))
+        .await;
+    let (_, v) = s.get(&format!("/v1/sandboxes/{sb}")).await;
+    assert_eq!(v["resources"]["vcpus"], 2);
+    assert_eq!(v["resources"]["memory_mib"], 256);
+    let cmd = s.sh(&sb, "nproc; grep MemTotal /proc/meminfo").await;
+    let out = cmd["stdout"].as_str().unwrap();
+    assert!(out.starts_with("2\n"), "{out}");
+    let kib: u64 = out
+        .split_whitespace()
+        .nth(2)
+        .and_then(|n| n.parse().ok())
+        .unwrap();
+    assert!(kib <= 256 * 1024, "MemTotal {kib} KiB");
+    // The pids limit holds inside the sandbox: forks fail with EAGAIN at the limit,
+    // and the sandbox itself stays healthy.
+    let (st, cmd) = s
+        .post(
+            &format!("/v1/sandboxes/{sb}/commands"),
+            json!({
+                "shell": "i=0; while [ $i -lt 100 ]; do sleep 60 & i=$((i+1)); echo $i; done",
+                "user": "user",
+                "wait": true
+            }),
+        )
+        .await;
+    assert_eq!(st, 201, "{cmd}");
+    let started: u32 = cmd["stdout"]
+        .as_str()
+        .unwrap()
+        .lines()
+        .last()
+        .and_then(|l| l.parse().ok())
+        .unwrap_or(0);
+    assert!(
+        started > 10 && started <= 64,
+        "{started} sleepers started: {cmd}"
+    );
+    assert!(cmd["stderr"].as_str().unwrap().contains("fork"), "{cmd}");
+    assert_eq!(s.sh(&sb, "echo alive").await["stdout"], "alive\n");
+    s.destroy(&sb).await;
+}

@@ -1,0 +1,91 @@
+//! The CLI against a real server: `space sandbox`, `space ops`, `space exec`.
+
+mod common;
+
+use std::process::Command;
+
+use common::{TestServer, TOKEN};
+
+fn space(s: &TestServer, args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_space"))
+        .args(args)
+        .env("SPACE_URL", &s.url)
+        .env("SPACE_TOKEN", TOKEN)
+        .output()
+        .expect("run space")
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+#[tokio::test]
+async fn cli_sandbox_ops_and_exec() {
+    let s = TestServer::start().await;
+    let out = space(
+        &s,
+        &[
+            "sandbox",
+            "create",
+            "--template",
+            "busybox",
+            "--label",
+            "who=cli",
+        ],
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let sb = text(&out.stdout).trim().to_string();
+    assert!(sb.starts_with("sb_"), "{sb}");
+
+    let out = space(&s, &["sandbox", "ls", "--label", "who=cli"]);
+    assert!(text(&out.stdout).contains(&sb));
+    let out = space(&s, &["sandbox", "get", &sb]);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["state"], "running");
+
+    // exec streams stdout and stderr separately and exits with the command's code.
+    let out = space(
+        &s,
+        &[
+            "exec",
+            &sb,
+            "--",
+            "sh",
+            "-c",
+            "echo hi; echo oops >&2; exit 7",
+        ],
+    );
+    assert_eq!(out.status.code(), Some(7));
+    assert_eq!(text(&out.stdout), "hi\n");
+    assert_eq!(text(&out.stderr), "oops\n");
+    let out = space(
+        &s,
+        &["exec", &sb, "--env", "X=1", "--", "sh", "-c", "echo $X"],
+    );
+    assert_eq!(out.status.code(), Some(0));
+    assert_eq!(text(&out.stdout), "1\n");
+    // Killed by a signal: 128 + signal, like a shell.
+    let out = space(&s, &["exec", &sb, "--", "sh", "-c", "kill -9 $$"]);
+    assert_eq!(out.status.code(), Some(137));
+
+    // ops get / wait on the create operation.
+    let (_, ops) = s.get(&format!("/v1/operations?sandbox_id={sb}")).await;
+    let op = ops["operations"][0]["id"].as_str().unwrap().to_string();
+    let out = space(&s, &["ops", "get", &op]);
+    assert!(text(&out.stdout).contains("succeeded"));
+    let out = space(&s, &["ops", "wait", &op]);
+    assert!(out.status.success());
+
+    let out = space(&s, &["sandbox", "rm", &sb]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    s.assert_nothing_left(&sb);
+
+    // Errors are readable and fail the command.
+    let out = space(&s, &["sandbox", "get", "sb_aaaaaaaaaaaaaaaaaaaa"]);
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("no sandbox"),
+        "{}",
+        text(&out.stderr)
+    );
+}

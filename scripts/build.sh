@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Builds space and the static in-sandbox agent.
+#   PROFILE=release (default) or debug for the `space` binary; the agent is always a static release build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+profile="${PROFILE:-release}"
+
+# The agent runs as PID 1 in any template (busybox has no libc): link it statically.
+# An explicit --target keeps RUSTFLAGS away from build scripts and proc macros.
+RUSTFLAGS="-C target-feature=+crt-static" cargo build --release -p space-agent \
+  --target x86_64-unknown-linux-gnu
+
+if [ "$profile" = release ]; then
+  cargo build --release -p space
+else
+  cargo build -p space
+fi
+echo "build: target/$profile/space and target/x86_64-unknown-linux-gnu/release/space-agent"

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# The main job: install host dependencies, build, make the default template,
+# and run `space serve` on 127.0.0.1:7070 in dev mode (token: space-dev-token).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+data_dir="${SPACE_DATA_DIR:-/var/lib/space}"
+
+scripts/setup.sh
+scripts/build.sh
+target/release/space admin prepare-template debian --data-dir "$data_dir"
+target/release/space admin prepare-template busybox --data-dir "$data_dir"
+exec target/release/space serve --dev --listen 127.0.0.1:7070 --data-dir "$data_dir"

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Installs the host dependencies of space. Idempotent; needs root (apt-get).
+#   runsc (gVisor) from Debian bookworm-backports: the 2024 build with the fast systrap platform
+#   mmdebstrap (the debian template), busybox-static (the busybox template)
+set -euo pipefail
+
+if [ "$(id -u)" -ne 0 ]; then
+  echo "scripts/setup.sh must run as root (it installs packages with apt-get)" >&2
+  exit 1
+fi
+export DEBIAN_FRONTEND=noninteractive
+
+updated=0
+apt_update() {
+  if [ "$updated" -eq 0 ]; then
+    apt-get update -q >/dev/null
+    updated=1
+  fi
+}
+
+if ! grep -rqs 'bookworm-backports' /etc/apt/sources.list /etc/apt/sources.list.d/; then
+  echo "setup: adding Debian bookworm-backports (for runsc)"
+  cat > /etc/apt/sources.list.d/bookworm-backports.sources <<'SRC'
+Types: deb
+URIs: http://deb.debian.org/debian
+Suites: bookworm-backports
+Components: main
+Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
+SRC
+  updated=0
+fi
+
+# runsc: the backports build (2024) has systrap; bookworm's own (2022) only ptrace.
+if ! runsc --version 2>/dev/null | grep -qE 'version 0\.0~2024'; then
+  echo "setup: installing runsc from bookworm-backports"
+  apt_update
+  apt-get install -y -q -t bookworm-backports runsc >/dev/null
+fi
+
+missing=()
+for pkg in mmdebstrap busybox-static ca-certificates util-linux; do
+  dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'install ok installed' || missing+=("$pkg")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+  echo "setup: installing ${missing[*]}"
+  apt_update
+  apt-get install -y -q "${missing[@]}" >/dev/null
+fi
+
+echo "setup: $(runsc --version | head -n1), $(mmdebstrap --version), busybox $(busybox | head -n1 | awk '{print $2}')"

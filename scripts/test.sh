@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The whole test suite: host dependencies, lints, unit and integration tests
+# against real runsc, real SQLite and a real server on an ephemeral port.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+scripts/setup.sh
+PROFILE=debug scripts/build.sh
+
+cargo fmt --all -- --check
+cargo clippy --workspace --all-targets -- -D warnings
+
+# Integration tests share one template cache; build it once up front.
+export SPACE_TEST_TEMPLATES="$PWD/target/space-test-templates"
+target/debug/space admin prepare-template busybox --templates-dir "$SPACE_TEST_TEMPLATES" --data-dir /nonexistent
+target/debug/space admin prepare-template debian --templates-dir "$SPACE_TEST_TEMPLATES" --data-dir /nonexistent
+
+cargo test --workspace -- --test-threads 4
