@@ -193,7 +193,7 @@ pub async fn run(cmd: ClientCmd) -> anyhow::Result<i32> {
             no_wait,
         }) => {
             let resources =
-                (vcpus.is_some() || memory_mib.is_some() || pids.is_some()).then(|| Resources {
+                (vcpus.is_some() || memory_mib.is_some() || pids.is_some()).then_some(Resources {
                     vcpus,
                     memory_mib,
                     disk_mib: None,

@@ -551,3 +551,41 @@ async fn resources_are_applied() {
     assert_eq!(s.sh(&sb, "echo alive").await["stdout"], "alive\n");
     s.destroy(&sb).await;
 }
+
+#[tokio::test]
+async fn the_agent_socket_refuses_impostors() {
+    use std::io::{BufRead, BufReader, Write};
+    let s = TestServer::start().await;
+    let sb = s.create("busybox").await;
+    let sock = s
+        .data_dir()
+        .join("sandboxes")
+        .join(&sb)
+        .join("run/agent.sock");
+
+    // The right sandbox id with a wrong token is refused.
+    let mut c = std::os::unix::net::UnixStream::connect(&sock).unwrap();
+    let hello = json!({"protocol": 1, "sandbox_id": sb, "token": "wrong", "agent_version": "x"});
+    writeln!(c, "{hello}").unwrap();
+    let mut line = String::new();
+    BufReader::new(&c).read_line(&mut line).unwrap();
+    let reply: Value = serde_json::from_str(&line).unwrap();
+    assert_eq!(reply["ok"], false, "{reply}");
+
+    // An endless line of garbage is cut off, not buffered.
+    let mut c = std::os::unix::net::UnixStream::connect(&sock).unwrap();
+    let junk = vec![b'x'; 64 * 1024];
+    let mut refused = false;
+    for _ in 0..64 {
+        if c.write_all(&junk).is_err() {
+            refused = true;
+            break;
+        }
+    }
+    assert!(refused, "a 4 MiB handshake line was accepted");
+
+    // The real agent's connection is untouched.
+    let cmd = s.sh(&sb, "echo still-fine").await;
+    assert_eq!(cmd["stdout"], "still-fine\n");
+    s.destroy(&sb).await;
+}

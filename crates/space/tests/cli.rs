@@ -89,3 +89,32 @@ async fn cli_sandbox_ops_and_exec() {
         text(&out.stderr)
     );
 }
+
+#[test]
+fn dev_mode_refuses_a_non_loopback_address() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_space"))
+        .args(["serve", "--dev", "--listen", "0.0.0.0:0", "--data-dir"])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("loopback"),
+        "{}",
+        text(&out.stderr)
+    );
+    // Without --dev a real token is required.
+    let out = Command::new(env!("CARGO_BIN_EXE_space"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
+        .arg(dir.path())
+        .env_remove("SPACE_API_TOKEN")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("SPACE_API_TOKEN"),
+        "{}",
+        text(&out.stderr)
+    );
+}

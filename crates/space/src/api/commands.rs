@@ -22,7 +22,7 @@ pub async fn create(
     ApiJson(req): ApiJson<CreateCommandRequest>,
 ) -> Response {
     if let Err(r) = check_id(&id, "sb", "sandbox") {
-        return r;
+        return r.into_response();
     }
     match st.service.create_command(&id, req).await {
         Ok(cmd) => (StatusCode::CREATED, Json(cmd)).into_response(),
@@ -32,7 +32,7 @@ pub async fn create(
 
 pub async fn list(State(st): State<AppState>, Path(id): Path<String>) -> Response {
     if let Err(r) = check_id(&id, "sb", "sandbox") {
-        return r;
+        return r.into_response();
     }
     match st.service.list_commands(&id) {
         Ok(commands) => Json(CommandList { commands }).into_response(),
@@ -52,15 +52,15 @@ pub async fn get(
     RawQuery(q): RawQuery,
 ) -> Response {
     if let Err(r) = check_id(&id, "sb", "sandbox").and(check_id(&cid, "cmd", "command")) {
-        return r;
+        return r.into_response();
     }
     let q: GetQuery = match parse_query(q.as_deref()) {
         Ok(q) => q,
-        Err(r) => return r,
+        Err(r) => return r.into_response(),
     };
     let wait = match q.wait.as_deref().map(parse_wait).transpose() {
         Ok(w) => w.unwrap_or(Duration::ZERO),
-        Err(r) => return r,
+        Err(r) => return r.into_response(),
     };
     match st.service.wait_command(&id, &cid, Some(wait)).await {
         Ok(cmd) => Json(cmd).into_response(),
@@ -83,11 +83,11 @@ pub async fn output(
     RawQuery(q): RawQuery,
 ) -> Response {
     if let Err(r) = check_id(&id, "sb", "sandbox").and(check_id(&cid, "cmd", "command")) {
-        return r;
+        return r.into_response();
     }
     let q: OutputQuery = match parse_query(q.as_deref()) {
         Ok(q) => q,
-        Err(r) => return r,
+        Err(r) => return r.into_response(),
     };
     let view = match q.stream.as_deref() {
         None | Some("combined") => View::Combined,
@@ -132,7 +132,7 @@ pub async fn signal(
     ApiJson(body): ApiJson<SignalBody>,
 ) -> Response {
     if let Err(r) = check_id(&id, "sb", "sandbox").and(check_id(&cid, "cmd", "command")) {
-        return r;
+        return r.into_response();
     }
     let Some(sig) = parse_signal(&body.signal) else {
         return error(

@@ -188,28 +188,37 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for ApiJson<T> {
     }
 }
 
+/// A request refused before it reached the service.
+pub struct Reject {
+    status: StatusCode,
+    code: &'static str,
+    message: String,
+}
+
+impl IntoResponse for Reject {
+    fn into_response(self) -> Response {
+        error(self.status, self.code, self.message)
+    }
+}
+
 /// Query parameters into `T`, with a 400 in our error format.
-pub fn parse_query<T: DeserializeOwned>(raw: Option<&str>) -> Result<T, Response> {
-    serde_urlencoded::from_str(raw.unwrap_or("")).map_err(|e| {
-        error(
-            StatusCode::BAD_REQUEST,
-            "invalid_query",
-            format!("invalid query: {e}"),
-        )
+pub fn parse_query<T: DeserializeOwned>(raw: Option<&str>) -> Result<T, Reject> {
+    serde_urlencoded::from_str(raw.unwrap_or("")).map_err(|e| Reject {
+        status: StatusCode::BAD_REQUEST,
+        code: "invalid_query",
+        message: format!("invalid query: {e}"),
     })
 }
 
 /// `30s`, `500ms`, `2m` or plain seconds, at most [`MAX_WAIT`].
-pub fn parse_wait(s: &str) -> Result<Duration, Response> {
-    let bad = || {
-        error(
-            StatusCode::BAD_REQUEST,
-            "invalid_query",
-            format!(
-                "invalid wait {:?}: use e.g. 30s, 500ms or 2m",
-                crate::service::truncate(s, 32)
-            ),
-        )
+pub fn parse_wait(s: &str) -> Result<Duration, Reject> {
+    let bad = || Reject {
+        status: StatusCode::BAD_REQUEST,
+        code: "invalid_query",
+        message: format!(
+            "invalid wait {:?}: use e.g. 30s, 500ms or 2m",
+            crate::service::truncate(s, 32)
+        ),
     };
     let s = s.trim();
     let (num, unit) = match s.find(|c: char| !c.is_ascii_digit()) {
@@ -227,15 +236,15 @@ pub fn parse_wait(s: &str) -> Result<Duration, Response> {
 }
 
 /// Rejects ids that cannot be ours with a 404 before they reach the store.
-pub fn check_id(id: &str, prefix: &str, what: &str) -> Result<(), Response> {
+pub fn check_id(id: &str, prefix: &str, what: &str) -> Result<(), Reject> {
     if space_core::is_valid_id(id, prefix) {
         Ok(())
     } else {
-        Err(error(
-            StatusCode::NOT_FOUND,
-            "not_found",
-            format!("no {what} {}", crate::service::truncate(id, 64)),
-        ))
+        Err(Reject {
+            status: StatusCode::NOT_FOUND,
+            code: "not_found",
+            message: format!("no {what} {}", crate::service::truncate(id, 64)),
+        })
     }
 }
 

@@ -22,15 +22,15 @@ pub async fn get(
     RawQuery(q): RawQuery,
 ) -> Response {
     if let Err(r) = check_id(&id, "op", "operation") {
-        return r;
+        return r.into_response();
     }
     let q: GetQuery = match parse_query(q.as_deref()) {
         Ok(q) => q,
-        Err(r) => return r,
+        Err(r) => return r.into_response(),
     };
     let wait = match q.wait.as_deref().map(parse_wait).transpose() {
         Ok(w) => w.unwrap_or(Duration::ZERO),
-        Err(r) => return r,
+        Err(r) => return r.into_response(),
     };
     match st.service.wait_operation(&id, wait).await {
         Ok(op) => Json(op).into_response(),
@@ -48,7 +48,7 @@ struct ListQuery {
 pub async fn list(State(st): State<AppState>, RawQuery(q): RawQuery) -> Response {
     let q: ListQuery = match parse_query(q.as_deref()) {
         Ok(q) => q,
-        Err(r) => return r,
+        Err(r) => return r.into_response(),
     };
     let limit = q.limit.unwrap_or(100).clamp(1, 1000);
     match st.service.list_operations(q.sandbox_id.as_deref(), limit) {
@@ -59,7 +59,7 @@ pub async fn list(State(st): State<AppState>, RawQuery(q): RawQuery) -> Response
 
 pub async fn cancel(State(st): State<AppState>, Path(id): Path<String>) -> Response {
     if let Err(r) = check_id(&id, "op", "operation") {
-        return r;
+        return r.into_response();
     }
     match st.service.cancel_operation(&id) {
         Ok(op) => Json(op).into_response(),

@@ -29,7 +29,7 @@ struct ListQuery {
 pub async fn list(State(st): State<AppState>, RawQuery(q): RawQuery) -> Response {
     let q: ListQuery = match parse_query(q.as_deref()) {
         Ok(q) => q,
-        Err(r) => return r,
+        Err(r) => return r.into_response(),
     };
     let mut labels = Vec::new();
     for pair in q
@@ -57,7 +57,7 @@ pub async fn list(State(st): State<AppState>, RawQuery(q): RawQuery) -> Response
 
 pub async fn get(State(st): State<AppState>, Path(id): Path<String>) -> Response {
     if let Err(r) = check_id(&id, "sb", "sandbox") {
-        return r;
+        return r.into_response();
     }
     match st.service.get_sandbox(&id) {
         Ok(sb) => Json(sb).into_response(),
@@ -67,28 +67,28 @@ pub async fn get(State(st): State<AppState>, Path(id): Path<String>) -> Response
 
 pub async fn destroy(State(st): State<AppState>, Path(id): Path<String>) -> Response {
     if let Err(r) = check_id(&id, "sb", "sandbox") {
-        return r;
+        return r.into_response();
     }
     accepted(st.service.destroy_sandbox(&id))
 }
 
 pub async fn pause(State(st): State<AppState>, Path(id): Path<String>) -> Response {
     if let Err(r) = check_id(&id, "sb", "sandbox") {
-        return r;
+        return r.into_response();
     }
     accepted(st.service.pause_or_resume(&id, true))
 }
 
 pub async fn resume(State(st): State<AppState>, Path(id): Path<String>) -> Response {
     if let Err(r) = check_id(&id, "sb", "sandbox") {
-        return r;
+        return r.into_response();
     }
     accepted(st.service.pause_or_resume(&id, false))
 }
 
 pub async fn suspend(State(st): State<AppState>, Path(id): Path<String>) -> Response {
     if let Err(r) = check_id(&id, "sb", "sandbox") {
-        return r;
+        return r.into_response();
     }
     accepted(st.service.suspend(&id))
 }

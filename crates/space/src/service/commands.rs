@@ -213,7 +213,7 @@ impl Service {
             done.inline_truncated = Some(out_cut || err_cut);
             return Ok(done);
         }
-        Ok(self.get_command(sandbox_id, &id)?)
+        self.get_command(sandbox_id, &id)
     }
 
     fn command_dir(&self, sandbox_id: &str, id: &str) -> PathBuf {
