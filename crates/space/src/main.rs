@@ -213,8 +213,18 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     // Tests and scripts read this line to find an ephemeral port.
     println!("space listening on http://{addr}");
     tracing::info!(%addr, data_dir = %args.data_dir.display(), "serving");
+    let shutdown = async {
+        shutdown_signal().await;
+        tracing::info!("shutting down: finishing requests for up to 5 s");
+        // Long-polls and followed output streams would hold a graceful shutdown open forever.
+        tokio::spawn(async {
+            tokio::time::sleep(std::time::Duration::from_secs(5)).await;
+            tracing::info!("stopped; sandboxes keep running and are re-adopted on the next start");
+            std::process::exit(0);
+        });
+    };
     axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown_signal())
+        .with_graceful_shutdown(shutdown)
         .await?;
     tracing::info!("stopped; sandboxes keep running and are re-adopted on the next start");
     Ok(())

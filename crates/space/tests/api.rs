@@ -304,19 +304,38 @@ async fn bad_input_gets_a_clear_error_and_changes_nothing() {
         assert!(!v["error"]["message"].as_str().unwrap().is_empty(), "{v}");
     }
 
-    // Oversized body.
-    let big = format!(
-        r#"{{"template":"busybox","labels":{{"a":"{}"}}}}"#,
-        "x".repeat(2 << 20)
-    );
-    let resp = s
-        .req(reqwest::Method::POST, "/v1/sandboxes")
-        .header("content-type", "application/json")
-        .body(big)
-        .send()
-        .await
+    // Oversized body: refused from its declared length, before it is read.
+    {
+        use std::io::{Read, Write};
+        let addr = s.url.trim_start_matches("http://");
+        let mut c = std::net::TcpStream::connect(addr).unwrap();
+        write!(
+            c,
+            "POST /v1/sandboxes HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n\
+             Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{{\"template\":\"",
+            4 << 20
+        )
         .unwrap();
-    assert_eq!(resp.status().as_u16(), 413);
+        c.write_all(&vec![b'x'; 64 * 1024]).unwrap();
+        let mut head = [0u8; 12];
+        c.read_exact(&mut head).unwrap();
+        assert_eq!(&head, b"HTTP/1.1 413", "{}", String::from_utf8_lossy(&head));
+    }
+    // An oversize body without a declared length (chunked) is cut off at the limit.
+    let big = futures::stream::iter(
+        (0..40).map(|_| Ok::<_, std::io::Error>(bytes::Bytes::from(vec![b' '; 64 * 1024]))),
+    );
+    // A client of its own: the server closes this connection after the 413.
+    let resp = reqwest::Client::new()
+        .post(format!("{}/v1/sandboxes", s.url))
+        .bearer_auth(TOKEN)
+        .header("content-type", "application/json")
+        .body(reqwest::Body::wrap_stream(big))
+        .send()
+        .await;
+    if let Ok(resp) = resp {
+        assert_eq!(resp.status().as_u16(), 413);
+    }
 
     // Wrong or missing token.
     for auth in [Some("Bearer wrong"), None] {

@@ -167,16 +167,26 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for ApiJson<T> {
     type Rejection = Response;
 
     async fn from_request(req: Request, _state: &S) -> Result<Self, Self::Rejection> {
+        let too_large = || {
+            error(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "body_too_large",
+                format!("request body larger than {MAX_JSON_BODY} bytes"),
+            )
+        };
+        // Refuse a declared oversize body before reading any of it.
+        let declared = req
+            .headers()
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok());
+        if declared.is_some_and(|n| n > MAX_JSON_BODY as u64) {
+            return Err(too_large());
+        }
         let body: Body = req.into_body();
         let bytes = axum::body::to_bytes(body, MAX_JSON_BODY)
             .await
-            .map_err(|_| {
-                error(
-                    StatusCode::PAYLOAD_TOO_LARGE,
-                    "body_too_large",
-                    format!("request body larger than {MAX_JSON_BODY} bytes"),
-                )
-            })?;
+            .map_err(|_| too_large())?;
         let value = serde_json::from_slice(&bytes).map_err(|e| {
             error(
                 StatusCode::BAD_REQUEST,

@@ -151,7 +151,7 @@ impl Service {
             .validate()
             .map_err(|e| ServiceError::BadRequest(e.to_string()))?;
 
-        let mut cmd = Command {
+        let cmd = Command {
             id: id.clone(),
             sandbox_id: sandbox_id.to_string(),
             state: CommandState::Starting,
@@ -173,11 +173,41 @@ impl Service {
         self.0.store.insert_command(&cmd)?;
         let ch = self.register_command(&id, writer.progress());
 
+        // Started in a task of its own: a client that hangs up mid-request must not
+        // leave the command half-started.
+        let svc = self.clone();
+        tokio::spawn(async move { svc.start_command(handle, ch, writer, cmd, spawn).await })
+            .await
+            .map_err(|e| ServiceError::Internal(format!("starting the command: {e}")))??;
+
+        if req.wait == Some(true) {
+            let mut done = self.wait_command(sandbox_id, &id, None).await?;
+            let (stdout, out_cut) = read_inline(&dir.join("stdout"));
+            let (stderr, err_cut) = read_inline(&dir.join("stderr"));
+            done.stdout = Some(stdout);
+            done.stderr = Some(stderr);
+            done.inline_truncated = Some(out_cut || err_cut);
+            return Ok(done);
+        }
+        self.get_command(sandbox_id, &id)
+    }
+
+    /// Sends the spawn request and starts the command's session.
+    async fn start_command(
+        &self,
+        handle: Arc<SandboxHandle>,
+        ch: Arc<CommandHandle>,
+        writer: OutputWriter,
+        mut cmd: Command,
+        spawn: SpawnRequest,
+    ) -> Result<(), ServiceError> {
+        let sandbox_id = cmd.sandbox_id.clone();
+        let id = cmd.id.clone();
         let mut rx = handle.agent.subscribe();
         let conn = match agent::wait_connected(&mut rx, SPAWN_CONNECT_TIMEOUT).await {
             Ok(c) => c,
             Err(e) => {
-                self.finalize_command(sandbox_id, &id, Outcome::Lost(e.to_string()));
+                self.finalize_command(&sandbox_id, &id, Outcome::Lost(e.to_string()));
                 return Err(e.into());
             }
         };
@@ -188,7 +218,7 @@ impl Service {
             Ok(_) => {}
             Err(AgentError::Status { status, message }) if status.is_client_error() => {
                 self.finalize_command(
-                    sandbox_id,
+                    &sandbox_id,
                     &id,
                     Outcome::Lost(format!("the agent refused the command: {message}")),
                 );
@@ -201,19 +231,10 @@ impl Service {
         }
         cmd.state = CommandState::Running;
         self.0.store.update_command(&cmd)?;
-        tracing::info!(sandbox = %sandbox_id, command = %id, "command started");
-        self.spawn_session(handle, ch, writer, sandbox_id.to_string(), id.clone());
+        tracing::info!(sandbox = %&sandbox_id, command = %id, "command started");
+        self.spawn_session(handle, ch, writer, sandbox_id, id);
 
-        if req.wait == Some(true) {
-            let mut done = self.wait_command(sandbox_id, &id, None).await?;
-            let (stdout, out_cut) = read_inline(&dir.join("stdout"));
-            let (stderr, err_cut) = read_inline(&dir.join("stderr"));
-            done.stdout = Some(stdout);
-            done.stderr = Some(stderr);
-            done.inline_truncated = Some(out_cut || err_cut);
-            return Ok(done);
-        }
-        self.get_command(sandbox_id, &id)
+        Ok(())
     }
 
     fn command_dir(&self, sandbox_id: &str, id: &str) -> PathBuf {
