@@ -40,6 +40,8 @@ const MAX_TIMEOUT: Duration = Duration::from_secs(10 * 365 * 24 * 3600);
 pub struct Agent {
     pub reaper: Arc<Reaper>,
     commands: Mutex<BTreeMap<String, Arc<Cmd>>>,
+    /// Told to drop the host connection (before a checkpoint, which cannot save one).
+    pub quiesce: tokio::sync::Notify,
 }
 
 impl Agent {
@@ -160,6 +162,12 @@ pub async fn handle(agent: Arc<Agent>, req: Request<Incoming>) -> Response<Body>
     match (segs.as_slice(), method) {
         (["info"], Method::GET) => info(&agent),
         (["info"], _) => method_not_allowed(),
+        (["quiesce"], Method::POST) => {
+            // The connection is dropped right away; the host waits for that, not for this answer.
+            agent.quiesce.notify_one();
+            empty(StatusCode::NO_CONTENT)
+        }
+        (["quiesce"], _) => method_not_allowed(),
         (["commands"], Method::GET) => list(&agent),
         (["commands"], Method::POST) => spawn_command(agent, req.into_body()).await,
         (["commands"], _) => method_not_allowed(),

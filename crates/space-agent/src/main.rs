@@ -29,7 +29,7 @@ use crate::http::Agent;
 const DEFAULT_SOCKET: &str = "/.space/run/agent.sock";
 const DEFAULT_TOKEN_FILE: &str = "/.space/run/token";
 const BACKOFF_MIN: Duration = Duration::from_millis(10);
-const BACKOFF_MAX: Duration = Duration::from_millis(500);
+const BACKOFF_MAX: Duration = Duration::from_millis(100);
 /// Wait after the host refused the handshake.
 const REFUSED_RETRY: Duration = Duration::from_secs(1);
 /// A host that accepts but never answers the handshake is dropped after this.
@@ -162,6 +162,7 @@ async fn handshake(stream: &mut UnixStream, cfg: &Config) -> std::io::Result<Hel
 }
 
 async fn serve(stream: UnixStream, agent: Arc<Agent>) {
+    let watcher = agent.clone();
     let service = service_fn(move |req| {
         let agent = agent.clone();
         async move { Ok::<_, Infallible>(http::handle(agent, req).await) }
@@ -171,10 +172,12 @@ async fn serve(stream: UnixStream, agent: Arc<Agent>) {
         .initial_stream_window_size(1 << 20)
         .initial_connection_window_size(4 << 20)
         .max_concurrent_streams(1024);
-    if let Err(e) = builder
-        .serve_connection(TokioIo::new(stream), service)
-        .await
-    {
-        eprintln!("space-agent: host connection ended: {e}");
+    let conn = builder.serve_connection(TokioIo::new(stream), service);
+    tokio::select! {
+        r = conn => if let Err(e) = r {
+            eprintln!("space-agent: host connection ended: {e}");
+        },
+        // Dropping the connection closes the socket; commands and their output are kept.
+        _ = watcher.quiesce.notified() => {}
     }
 }

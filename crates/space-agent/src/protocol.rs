@@ -18,6 +18,8 @@
 //!   ([`Frame::Ack`], [`Frame::Stdin`], [`Frame::StdinEof`], [`Frame::Done`]).
 //! - `POST /v1/commands/{id}/signal` with a [`SignalRequest`]: signals the command's process group.
 //! - `DELETE /v1/commands/{id}`: forget an exited command (same as [`Frame::Done`]).
+//! - `POST /v1/quiesce`: drop the host connection now (a checkpoint cannot save an open
+//!   host socket); the agent keeps its commands and dials again with backoff.
 //!
 //! Errors are `{"error":{"code","message"}}` ([`ErrorBody`]) with a 4xx/5xx status.
 //!

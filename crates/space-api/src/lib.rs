@@ -157,6 +157,30 @@ pub struct CreateSandboxRequest {
     pub ttl_seconds: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub idle_timeout_seconds: Option<u64>,
+    /// `suspend` (default) or `destroy`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub on_idle: Option<OnIdle>,
+}
+
+/// `POST /v1/sandboxes/{id}/keepalive`: counts as activity; with `ttl_seconds`
+/// the TTL restarts from now with that length (default: the sandbox's own TTL).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct KeepaliveRequest {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttl_seconds: Option<u64>,
+}
+
+/// One server-sent event: a sandbox or an operation as it is after a change.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Event {
+    /// Increasing; resume with `Last-Event-ID` or `?after=`.
+    pub id: i64,
+    /// `sandbox` or `operation`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub created_at: String,
+    pub object: serde_json::Value,
 }
 
 /// A sandbox as the API returns it.
@@ -173,10 +197,47 @@ pub struct Sandbox {
     pub network: NetworkSpec,
     pub created_at: String,
     pub updated_at: String,
+    /// When the TTL destroys it (`null`: no TTL).
     pub expires_at: Option<String>,
     /// Why the sandbox is `failed`.
     pub failure_reason: Option<String>,
+    /// Last API request on the sandbox or end of a command in it.
+    #[serde(default)]
+    pub last_active_at: Option<String>,
+    #[serde(default)]
+    pub ttl_seconds: Option<u64>,
+    #[serde(default)]
+    pub idle_timeout_seconds: Option<u64>,
+    /// What happens when the idle timeout passes: `suspend` or `destroy`.
+    #[serde(default)]
+    pub on_idle: Option<OnIdle>,
+    /// When the idle timeout would act if nothing happens before (`null`: no idle timeout,
+    /// or a command is running).
+    #[serde(default)]
+    pub idle_expires_at: Option<String>,
+    /// What the sandbox's current state costs.
+    #[serde(default)]
+    pub cost: Cost,
+    #[serde(default)]
+    pub destroyed_at: Option<String>,
 }
+
+/// What a sandbox's state costs: resident memory while running or paused,
+/// snapshot bytes on disk while suspended. Writable-layer bytes always.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Cost {
+    pub memory_bytes: Option<u64>,
+    pub snapshot_bytes: Option<u64>,
+    pub disk_bytes: Option<u64>,
+}
+
+string_enum!(
+    /// What the idle timeout does.
+    OnIdle {
+        Suspend => "suspend",
+        Destroy => "destroy",
+    }
+);
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 pub struct SandboxList {

@@ -9,7 +9,7 @@ use std::sync::{Mutex, MutexGuard};
 
 use rusqlite::{params, Connection, OptionalExtension};
 use serde::{Deserialize, Serialize};
-use space_api::{Command, Operation, Sandbox};
+use space_api::{Command, Event, Operation, Sandbox};
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -62,11 +62,22 @@ const MIGRATIONS: &[&str] = &[
     );
     CREATE INDEX commands_sandbox ON commands(sandbox_id, created_at);
     CREATE INDEX commands_state ON commands(state);",
+    // 2: the event log behind GET /v1/events.
+    "CREATE TABLE events (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        kind TEXT NOT NULL,
+        object_id TEXT NOT NULL,
+        created_at TEXT NOT NULL,
+        doc TEXT NOT NULL
+    );
+    CREATE INDEX events_created ON events(created_at);",
 ];
 
 /// The store. Cheap calls; hold no lock across an `.await`.
 pub struct Store {
     conn: Mutex<Connection>,
+    /// The id of the newest event; changes wake event streams and long-polls.
+    latest_event: tokio::sync::watch::Sender<i64>,
 }
 
 impl Store {
@@ -99,9 +110,65 @@ impl Store {
             tx.pragma_update(None, "user_version", (i + 1) as i64)?;
             tx.commit()?;
         }
+        let latest: i64 =
+            conn.query_row("SELECT COALESCE(MAX(id), 0) FROM events", [], |r| r.get(0))?;
         Ok(Store {
             conn: Mutex::new(conn),
+            latest_event: tokio::sync::watch::channel(latest).0,
         })
+    }
+
+    /// Watches the id of the newest event.
+    pub fn subscribe_events(&self) -> tokio::sync::watch::Receiver<i64> {
+        self.latest_event.subscribe()
+    }
+
+    fn published(&self, id: Option<i64>) {
+        if let Some(id) = id {
+            self.latest_event.send_modify(|v| *v = (*v).max(id));
+        }
+    }
+
+    /// Events with an id above `after`, oldest first, at most `limit`.
+    pub fn events_after(&self, after: i64, limit: usize) -> Result<Vec<Event>, StoreError> {
+        let conn = self.conn();
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let rows: Vec<(i64, String, String, String)> = conn
+            .prepare(
+                "SELECT id, kind, created_at, doc FROM events WHERE id > ?1 ORDER BY id LIMIT ?2",
+            )?
+            .query_map(params![after, limit], |r| {
+                Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?))
+            })?
+            .collect::<Result<_, _>>()?;
+        rows.into_iter()
+            .map(|(id, kind, created_at, doc)| {
+                Ok(Event {
+                    id,
+                    kind,
+                    created_at,
+                    object: serde_json::from_str(&doc)?,
+                })
+            })
+            .collect()
+    }
+
+    /// Deletes a destroyed sandbox's records: its operations, commands and the sandbox row.
+    pub fn purge_sandbox(&self, id: &str) -> Result<(), StoreError> {
+        let mut conn = self.conn();
+        let tx = conn.transaction()?;
+        tx.execute("DELETE FROM commands WHERE sandbox_id = ?1", [id])?;
+        tx.execute("DELETE FROM operations WHERE sandbox_id = ?1", [id])?;
+        tx.execute("DELETE FROM sandboxes WHERE id = ?1", [id])?;
+        tx.commit()?;
+        Ok(())
+    }
+
+    /// Deletes events older than `before` (RFC 3339).
+    pub fn purge_events_before(&self, before: &str) -> Result<usize, StoreError> {
+        Ok(self
+            .conn()
+            .execute("DELETE FROM events WHERE created_at < ?1", [before])?)
     }
 
     fn conn(&self) -> MutexGuard<'_, Connection> {
@@ -126,18 +193,35 @@ impl Store {
             ],
         )?;
         insert_op(&tx, op)?;
+        event(&tx, "sandbox", &rec.sandbox.id, &rec.sandbox)?;
+        let id = event(&tx, "operation", &op.id, op)?;
         tx.commit()?;
+        self.published(Some(id));
         Ok(())
     }
 
     pub fn update_sandbox(&self, rec: &SandboxRecord) -> Result<(), StoreError> {
-        self.conn().execute(
+        let mut conn = self.conn();
+        let tx = conn.transaction()?;
+        tx.execute(
             "UPDATE sandboxes SET state = ?2, doc = ?3 WHERE id = ?1",
             params![
                 rec.sandbox.id,
                 rec.sandbox.state.as_str(),
                 serde_json::to_string(rec)?
             ],
+        )?;
+        let id = event(&tx, "sandbox", &rec.sandbox.id, &rec.sandbox)?;
+        tx.commit()?;
+        self.published(Some(id));
+        Ok(())
+    }
+
+    /// Updates a sandbox without an event (bookkeeping such as activity times).
+    pub fn touch_sandbox(&self, rec: &SandboxRecord) -> Result<(), StoreError> {
+        self.conn().execute(
+            "UPDATE sandboxes SET doc = ?2 WHERE id = ?1",
+            params![rec.sandbox.id, serde_json::to_string(rec)?],
         )?;
         Ok(())
     }
@@ -159,7 +243,10 @@ impl Store {
             ],
         )?;
         upsert_op(&tx, op)?;
+        event(&tx, "sandbox", &rec.sandbox.id, &rec.sandbox)?;
+        let id = event(&tx, "operation", &op.id, op)?;
         tx.commit()?;
+        self.published(Some(id));
         Ok(())
     }
 
@@ -188,13 +275,23 @@ impl Store {
     // ---- operations ----
 
     pub fn insert_operation(&self, op: &Operation) -> Result<(), StoreError> {
-        let conn = self.conn();
-        insert_op(&conn, op)
+        let mut conn = self.conn();
+        let tx = conn.transaction()?;
+        insert_op(&tx, op)?;
+        let id = event(&tx, "operation", &op.id, op)?;
+        tx.commit()?;
+        self.published(Some(id));
+        Ok(())
     }
 
     pub fn update_operation(&self, op: &Operation) -> Result<(), StoreError> {
-        let conn = self.conn();
-        upsert_op(&conn, op)
+        let mut conn = self.conn();
+        let tx = conn.transaction()?;
+        upsert_op(&tx, op)?;
+        let id = event(&tx, "operation", &op.id, op)?;
+        tx.commit()?;
+        self.published(Some(id));
+        Ok(())
     }
 
     pub fn get_operation(&self, id: &str) -> Result<Option<Operation>, StoreError> {
@@ -326,6 +423,25 @@ fn stored_command(cmd: &Command) -> Command {
     }
 }
 
+/// Appends an event; returns its id.
+fn event(
+    conn: &Connection,
+    kind: &str,
+    object_id: &str,
+    object: &impl Serialize,
+) -> Result<i64, StoreError> {
+    conn.execute(
+        "INSERT INTO events (kind, object_id, created_at, doc) VALUES (?1, ?2, ?3, ?4)",
+        params![
+            kind,
+            object_id,
+            space_core::now_rfc3339(),
+            serde_json::to_string(object)?
+        ],
+    )?;
+    Ok(conn.last_insert_rowid())
+}
+
 fn insert_op(conn: &Connection, op: &Operation) -> Result<(), StoreError> {
     conn.execute(
         "INSERT INTO operations (id, sandbox_id, kind, status, created_at, doc)
@@ -382,6 +498,13 @@ mod tests {
                 updated_at: space_core::now_rfc3339(),
                 expires_at: None,
                 failure_reason: None,
+                last_active_at: None,
+                ttl_seconds: None,
+                idle_timeout_seconds: None,
+                on_idle: None,
+                idle_expires_at: None,
+                cost: Default::default(),
+                destroyed_at: None,
             },
             agent_token: "t".into(),
             rootfs: "/x".into(),
@@ -434,6 +557,28 @@ mod tests {
             .is_err());
         // The operation of the failed insert was rolled back with it.
         assert!(s.get_operation("op_2").unwrap().is_none());
+    }
+
+    #[test]
+    fn every_change_is_an_event_in_order() {
+        let s = Store::open_in_memory().unwrap();
+        let mut rx = s.subscribe_events();
+        let mut rec = sandbox("sb_1");
+        s.insert_sandbox(&rec, &op("op_1", "sb_1")).unwrap();
+        rec.sandbox.state = SandboxState::Running;
+        s.update_sandbox(&rec).unwrap();
+        assert!(rx.has_changed().unwrap());
+        let events = s.events_after(0, 10).unwrap();
+        let kinds: Vec<&str> = events.iter().map(|e| e.kind.as_str()).collect();
+        assert_eq!(kinds, ["sandbox", "operation", "sandbox"]);
+        assert_eq!(events[2].object["state"], "running");
+        // The agent token never reaches an event.
+        assert!(events[0].object.get("agent_token").is_none());
+        assert_eq!(*rx.borrow_and_update(), events[2].id);
+        assert_eq!(s.events_after(events[1].id, 10).unwrap().len(), 1);
+        s.purge_sandbox("sb_1").unwrap();
+        assert!(s.get_sandbox("sb_1").unwrap().is_none());
+        assert!(s.get_operation("op_1").unwrap().is_none());
     }
 
     #[test]

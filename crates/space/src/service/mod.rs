@@ -243,6 +243,13 @@ impl Service {
                 updated_at: now.clone(),
                 expires_at: None,
                 failure_reason: None,
+                last_active_at: Some(now.clone()),
+                ttl_seconds: None,
+                idle_timeout_seconds: None,
+                on_idle: None,
+                idle_expires_at: None,
+                cost: Default::default(),
+                destroyed_at: None,
             },
             agent_token: new_token(),
             rootfs: template
