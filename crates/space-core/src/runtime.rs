@@ -71,9 +71,29 @@ pub trait Runtime: Send + Sync + 'static {
     async fn create(&self, spec: &SandboxSpec) -> Result<(), RuntimeError>;
     async fn pause(&self, id: &str) -> Result<(), RuntimeError>;
     async fn resume(&self, id: &str) -> Result<(), RuntimeError>;
+    /// Stops everything of the sandbox but keeps its files (bundle, writable layer).
+    async fn stop(&self, id: &str, state_dir: &std::path::Path) -> Result<(), RuntimeError>;
     /// Stops everything of the sandbox and removes what the runtime made for it.
     async fn destroy(&self, id: &str, state_dir: &std::path::Path) -> Result<(), RuntimeError>;
     async fn status(&self, id: &str) -> Result<RuntimeStatus, RuntimeError>;
     /// Ids of every sandbox the runtime knows about.
     async fn list(&self) -> Result<Vec<String>, RuntimeError>;
+    /// Saves memory, processes and the writable layer to `image_dir`, then stops
+    /// the sandbox and frees everything it held in memory. The sandbox's agent
+    /// must have no open connection to the host.
+    async fn checkpoint(
+        &self,
+        id: &str,
+        state_dir: &std::path::Path,
+        image_dir: &std::path::Path,
+    ) -> Result<(), RuntimeError>;
+    /// Starts the sandbox again from what `checkpoint` saved.
+    async fn restore(
+        &self,
+        id: &str,
+        state_dir: &std::path::Path,
+        image_dir: &std::path::Path,
+    ) -> Result<(), RuntimeError>;
+    /// Resident memory of everything the sandbox runs on the host, if it runs.
+    fn resident_bytes(&self, id: &str, state_dir: &std::path::Path) -> Option<u64>;
 }

@@ -17,6 +17,13 @@ pub enum SandboxEvent {
     Destroyed,
     /// Something went wrong that leaves it unusable.
     Failed,
+    /// A pause, suspend or resume stopped before changing anything: back to
+    /// where it came from (a suspend to `running`, a pause to `running`).
+    PauseAborted,
+    SuspendAborted,
+    /// A resume that did not happen: back to `paused` or `suspended`.
+    ResumeAbortedToPaused,
+    ResumeAbortedToSuspended,
 }
 
 impl SandboxEvent {
@@ -29,6 +36,11 @@ impl SandboxEvent {
             SandboxEvent::SuspendRequested | SandboxEvent::Suspended => "suspend",
             SandboxEvent::DestroyRequested | SandboxEvent::Destroyed => "destroy",
             SandboxEvent::Failed => "fail",
+            SandboxEvent::PauseAborted => "abort the pause of",
+            SandboxEvent::SuspendAborted => "abort the suspend of",
+            SandboxEvent::ResumeAbortedToPaused | SandboxEvent::ResumeAbortedToSuspended => {
+                "abort the resume of"
+            }
         }
     }
 }
@@ -66,6 +78,11 @@ pub fn transition(
         (S::Destroying, E::Destroyed) => S::Destroyed,
 
         (s, E::Failed) if s != S::Destroying && s != S::Destroyed => S::Failed,
+
+        (S::Pausing, E::PauseAborted) => S::Running,
+        (S::Suspending, E::SuspendAborted) => S::Running,
+        (S::Resuming, E::ResumeAbortedToPaused) => S::Paused,
+        (S::Resuming, E::ResumeAbortedToSuspended) => S::Suspended,
         _ => return Err(InvalidTransition { from, event }),
     };
     Ok(next)
@@ -108,6 +125,22 @@ mod tests {
                 assert_eq!(r, Ok(S::Destroying));
             }
         }
+    }
+
+    #[test]
+    fn aborted_operations_go_back() {
+        assert_eq!(transition(S::Suspending, E::SuspendAborted), Ok(S::Running));
+        assert_eq!(
+            transition(S::Resuming, E::ResumeAbortedToSuspended),
+            Ok(S::Suspended)
+        );
+        assert!(transition(S::Running, E::SuspendAborted).is_err());
+        // A suspended sandbox cannot be paused; a paused one can be suspended.
+        assert!(transition(S::Suspended, E::PauseRequested).is_err());
+        assert_eq!(
+            transition(S::Paused, E::SuspendRequested),
+            Ok(S::Suspending)
+        );
     }
 
     #[test]

@@ -167,6 +167,55 @@ impl GvisorRuntime {
         })
     }
 
+    /// Runs `runsc create` or `runsc restore` for a sandbox. The sandbox inherits
+    /// the command's stdio as the agent's stdout/stderr: a file, never a pipe (a
+    /// pipe would keep the command from ever finishing).
+    async fn launch(&self, state_dir: &Path, args: &[OsString]) -> Result<(), RuntimeError> {
+        let console_path = state_dir.join("console.log");
+        let console = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&console_path)
+            .map_err(|e| RuntimeError::io("opening the console log", e))?;
+        let console_err = console
+            .try_clone()
+            .map_err(|e| RuntimeError::io("opening the console log", e))?;
+        let before = console.metadata().map(|m| m.len()).unwrap_or(0);
+        let overlay = state_dir.join("overlay");
+        let mut cmd = Command::new(&self.runsc);
+        cmd.arg("--root")
+            .arg(&self.state_root)
+            .arg(format!("--platform={}", self.platform))
+            .arg("--network=none")
+            .arg("--host-uds=open")
+            .arg(format!("--overlay2=root:dir={}", overlay.display()))
+            .arg("--cpu-num-from-quota")
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(console)
+            .stderr(console_err)
+            // Its own process group: a signal to the server's group must not reach sandboxes.
+            .process_group(0);
+        let status = cmd
+            .status()
+            .await
+            .map_err(|e| RuntimeError::io(format!("running {}", self.runsc.display()), e))?;
+        if !status.success() {
+            let log = std::fs::read(&console_path).unwrap_or_default();
+            let start = usize::try_from(before).unwrap_or(0).min(log.len());
+            return Err(RuntimeError::Tool {
+                tool: format!(
+                    "runsc {}",
+                    args.first()
+                        .map(|a| a.to_string_lossy())
+                        .unwrap_or_default()
+                ),
+                message: tail_text(&log[start..], 1000),
+            });
+        }
+        Ok(())
+    }
+
     /// Removes what runsc may leave behind after `delete`: cgroup directories.
     fn remove_cgroups(id: &str) {
         let Ok(controllers) = std::fs::read_dir("/sys/fs/cgroup") else {
@@ -200,49 +249,17 @@ impl Runtime for GvisorRuntime {
             .await
             .map_err(|e| RuntimeError::io("writing the OCI spec", e))?;
 
-        // The sandbox inherits create's stdio as the agent's stdout/stderr:
-        // a file, never a pipe (a pipe would keep `create` from ever finishing).
-        let console_path = spec.state_dir.join("console.log");
-        let console = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&console_path)
-            .map_err(|e| RuntimeError::io("opening the console log", e))?;
-        let console_err = console
-            .try_clone()
-            .map_err(|e| RuntimeError::io("opening the console log", e))?;
+        self.launch(
+            &spec.state_dir,
+            &[
+                "create".into(),
+                "--bundle".into(),
+                bundle.clone().into(),
+                spec.id.clone().into(),
+            ],
+        )
+        .await?;
         let overlay_flag = format!("root:dir={}", overlay.display());
-        let mut cmd = Command::new(&self.runsc);
-        let args: Vec<OsString> = vec![
-            "--root".into(),
-            self.state_root.clone().into(),
-            format!("--platform={}", self.platform).into(),
-            "--network=none".into(),
-            "--host-uds=open".into(),
-            format!("--overlay2={overlay_flag}").into(),
-            "--cpu-num-from-quota".into(),
-            "create".into(),
-            "--bundle".into(),
-            bundle.clone().into(),
-            spec.id.clone().into(),
-        ];
-        cmd.args(&args)
-            .stdin(Stdio::null())
-            .stdout(console)
-            .stderr(console_err)
-            // Its own process group: a signal to the server's group must not reach sandboxes.
-            .process_group(0);
-        let status = cmd
-            .status()
-            .await
-            .map_err(|e| RuntimeError::io(format!("running {}", self.runsc.display()), e))?;
-        if !status.success() {
-            let log = std::fs::read(&console_path).unwrap_or_default();
-            return Err(RuntimeError::Tool {
-                tool: "runsc create".into(),
-                message: tail_text(&log, 1000),
-            });
-        }
         let overlay_arg = format!("--overlay2={overlay_flag}");
         self.run(&[&overlay_arg, "--cpu-num-from-quota", "start", &spec.id])
             .await?;
@@ -258,6 +275,18 @@ impl Runtime for GvisorRuntime {
     }
 
     async fn destroy(&self, id: &str, state_dir: &Path) -> Result<(), RuntimeError> {
+        self.stop(id, state_dir).await?;
+        match tokio::fs::remove_dir_all(state_dir).await {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(RuntimeError::io(
+                format!("removing {}", state_dir.display()),
+                e,
+            )),
+        }
+    }
+
+    async fn stop(&self, id: &str, state_dir: &Path) -> Result<(), RuntimeError> {
         if self.status(id).await? != RuntimeStatus::Missing {
             // Either may fail when the container is already half gone; delete --force is what counts.
             let _ = self.run(&["kill", "--all", id, "KILL"]).await;
@@ -270,14 +299,7 @@ impl Runtime for GvisorRuntime {
         let bundle = format!("--bundle={}", state_dir.join("bundle").display());
         wait_for_processes_gone(&bundle).await?;
         Self::remove_cgroups(id);
-        match tokio::fs::remove_dir_all(state_dir).await {
-            Ok(()) => Ok(()),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-            Err(e) => Err(RuntimeError::io(
-                format!("removing {}", state_dir.display()),
-                e,
-            )),
-        }
+        Ok(())
     }
 
     async fn status(&self, id: &str) -> Result<RuntimeStatus, RuntimeError> {
@@ -306,6 +328,84 @@ impl Runtime for GvisorRuntime {
             Some("paused") => RuntimeStatus::Paused,
             _ => RuntimeStatus::Stopped,
         })
+    }
+
+    async fn checkpoint(
+        &self,
+        id: &str,
+        state_dir: &Path,
+        image_dir: &Path,
+    ) -> Result<(), RuntimeError> {
+        tokio::fs::create_dir_all(image_dir)
+            .await
+            .map_err(|e| RuntimeError::io(format!("creating {}", image_dir.display()), e))?;
+        let image = image_dir.to_string_lossy().into_owned();
+        self.run(&["checkpoint", "--image-path", &image, id])
+            .await?;
+        // The sandbox stops by itself once its state is saved (a forced delete
+        // would only race it); then release what is left of it.
+        let mut delay = Duration::from_millis(5);
+        let start = std::time::Instant::now();
+        loop {
+            match self.status(id).await? {
+                RuntimeStatus::Missing => break,
+                RuntimeStatus::Stopped => {
+                    self.run(&["delete", id]).await?;
+                    break;
+                }
+                _ if start.elapsed() > Duration::from_secs(10) => {
+                    self.run(&["delete", "--force", id]).await?;
+                    break;
+                }
+                _ => {}
+            }
+            tokio::time::sleep(delay).await;
+            delay = (delay * 2).min(Duration::from_millis(50));
+        }
+        let bundle = format!("--bundle={}", state_dir.join("bundle").display());
+        wait_for_processes_gone(&bundle).await?;
+        Self::remove_cgroups(id);
+        Ok(())
+    }
+
+    async fn restore(
+        &self,
+        id: &str,
+        state_dir: &Path,
+        image_dir: &Path,
+    ) -> Result<(), RuntimeError> {
+        // A container left over from a failed attempt would make the id clash.
+        if self.status(id).await? != RuntimeStatus::Missing {
+            let _ = self.run(&["delete", "--force", id]).await;
+        }
+        let bundle = state_dir.join("bundle");
+        self.launch(
+            state_dir,
+            &[
+                "restore".into(),
+                "--image-path".into(),
+                image_dir.into(),
+                "--bundle".into(),
+                bundle.into(),
+                "--detach".into(),
+                id.into(),
+            ],
+        )
+        .await
+    }
+
+    fn resident_bytes(&self, _id: &str, state_dir: &Path) -> Option<u64> {
+        let bundle = format!("--bundle={}", state_dir.join("bundle").display());
+        let roots = runsc_processes_matching(&bundle);
+        if roots.is_empty() {
+            return None;
+        }
+        Some(
+            with_descendants(&roots)
+                .iter()
+                .filter_map(|pid| vm_rss(*pid))
+                .sum(),
+        )
     }
 
     async fn list(&self) -> Result<Vec<String>, RuntimeError> {
@@ -384,6 +484,48 @@ async fn wait_for_processes_gone(needle: &str) -> Result<(), RuntimeError> {
         tokio::time::sleep(delay).await;
         delay = (delay * 2).min(Duration::from_millis(100));
     }
+}
+
+/// `roots` and every process below them.
+pub fn with_descendants(roots: &[i32]) -> Vec<i32> {
+    let mut parent_of: Vec<(i32, i32)> = Vec::new();
+    if let Ok(entries) = std::fs::read_dir("/proc") {
+        for e in entries.flatten() {
+            let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
+                continue;
+            };
+            // The ppid is the 2nd field after the parenthesised command name.
+            let Ok(stat) = std::fs::read_to_string(e.path().join("stat")) else {
+                continue;
+            };
+            let Some(rest) = stat.rfind(')').map(|i| &stat[i + 1..]) else {
+                continue;
+            };
+            if let Some(ppid) = rest.split_whitespace().nth(1).and_then(|p| p.parse().ok()) {
+                parent_of.push((pid, ppid));
+            }
+        }
+    }
+    let mut all: Vec<i32> = roots.to_vec();
+    let mut i = 0;
+    while i < all.len() {
+        let p = all[i];
+        for (pid, ppid) in &parent_of {
+            if *ppid == p && !all.contains(pid) {
+                all.push(*pid);
+            }
+        }
+        i += 1;
+    }
+    all
+}
+
+/// Resident set size of a process, in bytes.
+pub fn vm_rss(pid: i32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
 }
 
 /// The last `max` bytes of a tool's output as trimmed text.

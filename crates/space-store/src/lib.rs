@@ -33,6 +33,9 @@ pub struct SandboxRecord {
     pub template_env: Vec<(String, String)>,
     pub template_user: Option<String>,
     pub template_workdir: Option<String>,
+    /// Where the snapshot of a suspended sandbox is.
+    #[serde(default)]
+    pub snapshot_dir: Option<String>,
 }
 
 const MIGRATIONS: &[&str] = &[
@@ -511,6 +514,7 @@ mod tests {
             template_env: vec![],
             template_user: None,
             template_workdir: None,
+            snapshot_dir: None,
         }
     }
 

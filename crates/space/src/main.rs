@@ -89,6 +89,9 @@ struct ServeArgs {
     /// Default process limit of a sandbox.
     #[arg(long, default_value_t = 1024)]
     default_pids: u64,
+    /// How long records and command output of destroyed sandboxes are kept.
+    #[arg(long, default_value_t = 7 * 24 * 3600)]
+    retention_seconds: u64,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -198,6 +201,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             disk_mib: None,
             pids: Some(args.default_pids),
         },
+        retention: std::time::Duration::from_secs(args.retention_seconds),
     };
     let service = service::Service::start(cfg, Arc::new(runtime))
         .await

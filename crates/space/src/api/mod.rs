@@ -3,6 +3,7 @@
 //! `{"error":{"code","message"}}` with the right status.
 
 mod commands;
+mod events;
 mod operations;
 mod sandboxes;
 mod templates;
@@ -43,6 +44,7 @@ pub fn router(state: AppState) -> Router {
         .route("/sandboxes/:id/pause", post(sandboxes::pause))
         .route("/sandboxes/:id/resume", post(sandboxes::resume))
         .route("/sandboxes/:id/suspend", post(sandboxes::suspend))
+        .route("/sandboxes/:id/keepalive", post(sandboxes::keepalive))
         .route(
             "/sandboxes/:id/commands",
             post(commands::create).get(commands::list),
@@ -57,6 +59,7 @@ pub fn router(state: AppState) -> Router {
         .route("/operations/:id", get(operations::get))
         .route("/operations/:id/cancel", post(operations::cancel))
         .route("/templates", get(templates::list))
+        .route("/events", get(events::stream))
         .fallback(not_found)
         .layer(middleware::from_fn_with_state(state.clone(), auth));
     Router::new()

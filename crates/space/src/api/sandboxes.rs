@@ -76,14 +76,14 @@ pub async fn pause(State(st): State<AppState>, Path(id): Path<String>) -> Respon
     if let Err(r) = check_id(&id, "sb", "sandbox") {
         return r.into_response();
     }
-    accepted(st.service.pause_or_resume(&id, true))
+    accepted(st.service.pause(&id))
 }
 
 pub async fn resume(State(st): State<AppState>, Path(id): Path<String>) -> Response {
     if let Err(r) = check_id(&id, "sb", "sandbox") {
         return r.into_response();
     }
-    accepted(st.service.pause_or_resume(&id, false))
+    accepted(st.service.resume(&id))
 }
 
 pub async fn suspend(State(st): State<AppState>, Path(id): Path<String>) -> Response {
@@ -96,6 +96,35 @@ pub async fn suspend(State(st): State<AppState>, Path(id): Path<String>) -> Resp
 fn accepted(r: crate::service::Result<space_api::Operation>) -> Response {
     match r {
         Ok(op) => (StatusCode::ACCEPTED, Json(op)).into_response(),
+        Err(e) => HttpError(e).into_response(),
+    }
+}
+
+pub async fn keepalive(
+    State(st): State<AppState>,
+    Path(id): Path<String>,
+    body: axum::body::Bytes,
+) -> Response {
+    if let Err(r) = check_id(&id, "sb", "sandbox") {
+        return r.into_response();
+    }
+    // The body is optional: an empty one means "just count this as activity".
+    let req: space_api::KeepaliveRequest = if body.iter().all(u8::is_ascii_whitespace) {
+        Default::default()
+    } else {
+        match serde_json::from_slice(&body) {
+            Ok(r) => r,
+            Err(e) => {
+                return error(
+                    StatusCode::BAD_REQUEST,
+                    "invalid_json",
+                    format!("invalid request body: {e}"),
+                )
+            }
+        }
+    };
+    match st.service.keepalive(&id, req) {
+        Ok(sb) => Json(sb).into_response(),
         Err(e) => HttpError(e).into_response(),
     }
 }

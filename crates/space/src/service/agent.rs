@@ -5,7 +5,6 @@
 
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -25,6 +24,10 @@ use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::StreamExt;
 
 type HostBody = BoxBody<Bytes, std::convert::Infallible>;
+
+/// Numbers every agent connection of this process, so a new one is never
+/// mistaken for an old one (even across listeners of the same sandbox).
+static GENERATION: AtomicU64 = AtomicU64::new(0);
 
 /// How long a freshly accepted connection may take to say hello.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
@@ -48,6 +51,8 @@ pub enum AgentError {
 pub struct AgentConn {
     sender: SendRequest<HostBody>,
     pub generation: u64,
+    /// Cancelling it closes the connection.
+    close: tokio_util::sync::CancellationToken,
 }
 
 impl std::fmt::Debug for AgentConn {
@@ -59,6 +64,11 @@ impl std::fmt::Debug for AgentConn {
 }
 
 impl AgentConn {
+    /// Closes the connection now; the agent will dial again.
+    pub fn close(&self) {
+        self.close.cancel();
+    }
+
     async fn send(&self, req: Request<HostBody>) -> Result<http::Response<Incoming>, AgentError> {
         let mut sender = self.sender.clone();
         sender.ready().await.map_err(AgentError::Connection)?;
@@ -155,7 +165,6 @@ pub fn listen(
         Err(e) => return Err(e),
     }
     let listener = UnixListener::bind(socket)?;
-    let generation = Arc::new(AtomicU64::new(0));
     Ok(tokio::spawn(async move {
         loop {
             let (stream, _) = match listener.accept().await {
@@ -166,12 +175,7 @@ pub fn listen(
                     continue;
                 }
             };
-            let (sandbox_id, token, conn, generation) = (
-                sandbox_id.clone(),
-                token.clone(),
-                conn.clone(),
-                generation.clone(),
-            );
+            let (sandbox_id, token, conn) = (sandbox_id.clone(), token.clone(), conn.clone());
             tokio::spawn(async move {
                 match tokio::time::timeout(
                     HANDSHAKE_TIMEOUT,
@@ -180,7 +184,7 @@ pub fn listen(
                 .await
                 {
                     Ok(Ok(stream)) => {
-                        let gen = generation.fetch_add(1, Ordering::SeqCst) + 1;
+                        let gen = GENERATION.fetch_add(1, Ordering::SeqCst) + 1;
                         serve_connection(stream, &sandbox_id, gen, conn).await;
                     }
                     Ok(Err(reason)) => {
@@ -252,11 +256,20 @@ async fn serve_connection(
         }
     };
     tracing::info!(sandbox = %sandbox_id, generation, "agent connected");
-    conn.send_replace(Some(AgentConn { sender, generation }));
-    if let Err(e) = connection.await {
-        tracing::info!(sandbox = %sandbox_id, generation, error = %e, "agent connection ended");
-    } else {
-        tracing::info!(sandbox = %sandbox_id, generation, "agent connection closed");
+    let close = tokio_util::sync::CancellationToken::new();
+    conn.send_replace(Some(AgentConn {
+        sender,
+        generation,
+        close: close.clone(),
+    }));
+    tokio::select! {
+        r = connection => match r {
+            Err(e) => tracing::info!(sandbox = %sandbox_id, generation, error = %e, "agent connection ended"),
+            Ok(()) => tracing::info!(sandbox = %sandbox_id, generation, "agent connection closed"),
+        },
+        _ = close.cancelled() => {
+            tracing::info!(sandbox = %sandbox_id, generation, "agent connection closed by the server");
+        }
     }
     conn.send_if_modified(|current| match current {
         Some(c) if c.generation == generation => {

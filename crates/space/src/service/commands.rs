@@ -41,6 +41,7 @@ const MAX_TIMEOUT_SECONDS: u64 = 7 * 24 * 3600;
 
 /// A command whose session is live in this process.
 pub(crate) struct CommandHandle {
+    pub sandbox_id: String,
     pub progress: watch::Sender<OutputProgress>,
 }
 
@@ -121,6 +122,7 @@ impl Service {
         }
 
         let rec = self.record(sandbox_id)?;
+        self.touch(sandbox_id);
         if rec.sandbox.state != SandboxState::Running {
             return Err(ServiceError::Conflict(format!(
                 "sandbox {sandbox_id} is {}: commands run only in a running sandbox",
@@ -171,7 +173,7 @@ impl Service {
         let writer = OutputWriter::open(&dir)
             .map_err(|e| ServiceError::Internal(format!("creating output files: {e}")))?;
         self.0.store.insert_command(&cmd)?;
-        let ch = self.register_command(&id, writer.progress());
+        let ch = self.register_command(sandbox_id, &id, writer.progress());
 
         // Started in a task of its own: a client that hangs up mid-request must not
         // leave the command half-started.
@@ -241,8 +243,14 @@ impl Service {
         output::command_dir(&self.outputs_root(), sandbox_id, id)
     }
 
-    fn register_command(&self, id: &str, progress: OutputProgress) -> Arc<CommandHandle> {
+    fn register_command(
+        &self,
+        sandbox_id: &str,
+        id: &str,
+        progress: OutputProgress,
+    ) -> Arc<CommandHandle> {
         let ch = Arc::new(CommandHandle {
+            sandbox_id: sandbox_id.to_string(),
             progress: watch::channel(progress).0,
         });
         lock(&self.0.commands.live).insert(id.to_string(), ch.clone());
@@ -254,7 +262,7 @@ impl Service {
         let dir = self.command_dir(&cmd.sandbox_id, &cmd.id);
         match OutputWriter::open(&dir) {
             Ok(writer) => {
-                let ch = self.register_command(&cmd.id, writer.progress());
+                let ch = self.register_command(&cmd.sandbox_id, &cmd.id, writer.progress());
                 self.spawn_session(handle.clone(), ch, writer, cmd.sandbox_id, cmd.id);
             }
             Err(e) => self.finalize_command(
@@ -331,6 +339,17 @@ impl Service {
         if let Some(ch) = live {
             ch.progress.send_modify(|p| p.done = true);
         }
+        drop(_guard);
+        // The end of a command is activity: the idle timer starts now.
+        self.touch(sandbox_id);
+    }
+
+    /// Commands of a sandbox that are running in this process.
+    pub(crate) fn running_commands(&self, sandbox_id: &str) -> usize {
+        lock(&self.0.commands.live)
+            .values()
+            .filter(|c| c.sandbox_id == sandbox_id && !c.progress.borrow().done)
+            .count()
     }
 
     /// Ends every unfinished command of a sandbox as `lost`.
@@ -352,6 +371,7 @@ impl Service {
 
     pub fn list_commands(&self, sandbox_id: &str) -> Result<Vec<Command>, ServiceError> {
         self.record(sandbox_id)?;
+        self.touch(sandbox_id);
         Ok(self.0.store.list_commands(sandbox_id)?)
     }
 
@@ -363,6 +383,7 @@ impl Service {
         wait: Option<Duration>,
     ) -> Result<Command, ServiceError> {
         let cmd = self.get_command(sandbox_id, id)?;
+        self.touch(sandbox_id);
         if cmd.state.is_terminal() {
             return Ok(cmd);
         }
@@ -427,6 +448,7 @@ impl Service {
         q: CommandOutputQuery,
     ) -> Result<mpsc::Receiver<Bytes>, ServiceError> {
         self.get_command(sandbox_id, id)?;
+        self.touch(sandbox_id);
         let dir = self.command_dir(sandbox_id, id);
         let live = lock(&self.0.commands.live).get(id).cloned();
         let (tx, rx) = mpsc::channel::<Bytes>(8);

@@ -8,7 +8,10 @@
 
 pub mod agent;
 mod commands;
+mod lifecycle;
 pub mod output;
+mod reconcile;
+mod retention;
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
@@ -28,6 +31,7 @@ use tokio_util::sync::CancellationToken;
 
 use agent::{AgentConn, AgentError};
 pub use commands::CommandOutputQuery;
+use retention::Activity;
 
 /// How long a booted sandbox's agent may take to dial in.
 const AGENT_CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
@@ -43,6 +47,8 @@ pub struct Config {
     pub agent_dir: PathBuf,
     pub max_concurrent_creates: usize,
     pub default_resources: Resources,
+    /// How long records of destroyed sandboxes (and their command output) are kept.
+    pub retention: Duration,
 }
 
 /// What went wrong, in terms an API caller can act on.
@@ -77,9 +83,9 @@ pub(crate) struct SandboxHandle {
     pub agent: watch::Sender<Option<AgentConn>>,
     /// Cancelled when the sandbox is being destroyed or has failed: command sessions end `lost`.
     pub closed: CancellationToken,
-    listener: Mutex<Option<tokio::task::JoinHandle<()>>>,
-    /// The unfinished destroy operation, so a second one is refused.
-    destroy_op: Mutex<Option<String>>,
+    listener: Mutex<Option<(tokio::task::JoinHandle<()>, PathBuf)>>,
+    /// Unfinished lifecycle operations on this sandbox.
+    ops: Mutex<Vec<(String, OperationKind)>>,
 }
 
 impl SandboxHandle {
@@ -90,15 +96,29 @@ impl SandboxHandle {
             agent: watch::channel(None).0,
             closed: CancellationToken::new(),
             listener: Mutex::new(None),
-            destroy_op: Mutex::new(None),
+            ops: Mutex::new(Vec::new()),
         })
     }
 
+    /// Stops accepting agent connections and closes the current one.
     fn stop_listener(&self) {
-        if let Some(task) = lock(&self.listener).take() {
+        self.stop_listener_keep_connection();
+        self.drop_connection();
+    }
+
+    /// Stops accepting agent connections (the socket disappears); the current one stays.
+    fn stop_listener_keep_connection(&self) {
+        if let Some((task, socket)) = lock(&self.listener).take() {
             task.abort();
+            let _ = std::fs::remove_file(socket);
         }
-        self.agent.send_replace(None);
+    }
+
+    /// Closes the current agent connection, if any.
+    fn drop_connection(&self) {
+        if let Some(conn) = self.agent.send_replace(None) {
+            conn.close();
+        }
     }
 }
 
@@ -109,11 +129,11 @@ pub(crate) struct Inner {
     pub templates: TemplateStore,
     sandboxes: Mutex<HashMap<String, Arc<SandboxHandle>>>,
     pub commands: commands::Registry,
-    /// Bumped on every operation change; long-polls wait on it.
-    op_version: watch::Sender<u64>,
+    /// Last activity per sandbox (API requests on it, commands ending).
+    activity: Mutex<HashMap<String, Activity>>,
     create_slots: Semaphore,
-    /// Create operations still pending, with the token that cancels them.
-    pending_creates: Mutex<HashMap<String, CancellationToken>>,
+    /// Operations still pending, with the token that cancels them.
+    pending_ops: Mutex<HashMap<String, CancellationToken>>,
 }
 
 /// The service. Cheap to clone.
@@ -130,6 +150,7 @@ impl Service {
         std::fs::create_dir_all(&cfg.data_dir)?;
         std::fs::create_dir_all(cfg.data_dir.join("sandboxes"))?;
         std::fs::create_dir_all(cfg.data_dir.join("outputs"))?;
+        std::fs::create_dir_all(cfg.data_dir.join("snapshots"))?;
         let store = Store::open(&cfg.data_dir.join("space.db"))?;
         let templates = TemplateStore::new(cfg.templates_dir.clone())?;
         let slots = cfg.max_concurrent_creates.max(1);
@@ -140,11 +161,12 @@ impl Service {
             templates,
             sandboxes: Mutex::new(HashMap::new()),
             commands: commands::Registry::default(),
-            op_version: watch::channel(0).0,
+            activity: Mutex::new(HashMap::new()),
             create_slots: Semaphore::new(slots),
-            pending_creates: Mutex::new(HashMap::new()),
+            pending_ops: Mutex::new(HashMap::new()),
         }));
         svc.reconcile().await?;
+        svc.spawn_reaper();
         Ok(svc)
     }
 
@@ -158,6 +180,11 @@ impl Service {
 
     fn sandbox_dir(&self, id: &str) -> PathBuf {
         self.0.cfg.data_dir.join("sandboxes").join(id)
+    }
+
+    /// Where a suspended sandbox's snapshot lives.
+    fn snapshot_dir(&self, id: &str) -> PathBuf {
+        self.0.cfg.data_dir.join("snapshots").join(id)
     }
 
     pub(crate) fn outputs_root(&self) -> PathBuf {
@@ -203,9 +230,15 @@ impl Service {
                 network.mode
             )));
         }
-        if req.ttl_seconds.is_some() || req.idle_timeout_seconds.is_some() {
-            return Err(ServiceError::NotImplemented(
-                "ttl_seconds and idle_timeout_seconds are not supported yet".into(),
+        if let Some(ttl) = req.ttl_seconds {
+            retention::check_lifetime("ttl_seconds", ttl)?;
+        }
+        if let Some(idle) = req.idle_timeout_seconds {
+            retention::check_lifetime("idle_timeout_seconds", idle)?;
+        }
+        if req.on_idle.is_some() && req.idle_timeout_seconds.is_none() {
+            return Err(ServiceError::BadRequest(
+                "on_idle needs idle_timeout_seconds".into(),
             ));
         }
         let env = req.env.clone().unwrap_or_default();
@@ -241,12 +274,14 @@ impl Service {
                 network,
                 created_at: now.clone(),
                 updated_at: now.clone(),
-                expires_at: None,
+                expires_at: retention::expiry(req.ttl_seconds),
                 failure_reason: None,
                 last_active_at: Some(now.clone()),
-                ttl_seconds: None,
-                idle_timeout_seconds: None,
-                on_idle: None,
+                ttl_seconds: req.ttl_seconds,
+                idle_timeout_seconds: req.idle_timeout_seconds,
+                on_idle: req
+                    .idle_timeout_seconds
+                    .map(|_| req.on_idle.unwrap_or(space_api::OnIdle::Suspend)),
                 idle_expires_at: None,
                 cost: Default::default(),
                 destroyed_at: None,
@@ -259,12 +294,12 @@ impl Service {
             template_env: template.as_ref().map(|t| t.env.clone()).unwrap_or_default(),
             template_user: template.as_ref().and_then(|t| t.user.clone()),
             template_workdir: template.as_ref().and_then(|t| t.workdir.clone()),
+            snapshot_dir: None,
         };
         let op = new_operation(OperationKind::Create, Some(&id));
         self.0.store.insert_sandbox(&rec, &op)?;
-        self.op_changed();
         let cancel = CancellationToken::new();
-        lock(&self.0.pending_creates).insert(op.id.clone(), cancel.clone());
+        lock(&self.0.pending_ops).insert(op.id.clone(), cancel.clone());
         let handle = self.handle(&id);
         tracing::info!(sandbox = %id, operation = %op.id, template = %template_name, "create requested");
         let svc = self.clone();
@@ -305,11 +340,18 @@ impl Service {
             p = self.0.create_slots.acquire() => p.ok(),
             _ = cancel.cancelled() => None,
         };
-        if lock(&self.0.pending_creates).remove(&op_id).is_none() || permit.is_none() {
+        if lock(&self.0.pending_ops).remove(&op_id).is_none() || permit.is_none() {
             return; // Cancelled: the canceller recorded everything.
         }
         let _lifecycle = handle.lifecycle.lock().await;
-        let result = self.create_steps(&handle, &op_id).await;
+        let limit = lifecycle::deadline(OperationKind::Create);
+        let result = match tokio::time::timeout(limit, self.create_steps(&handle, &op_id)).await {
+            Ok(r) => r,
+            Err(_) => Err(ApiError::new(
+                "timed_out",
+                format!("the create did not finish within {}s", limit.as_secs()),
+            )),
+        };
         drop(permit);
         match result {
             Ok(()) => {}
@@ -412,7 +454,6 @@ impl Service {
             .store
             .update_sandbox_and_op(&rec, &op)
             .map_err(internal)?;
-        self.op_changed();
         self.spawn_monitor(handle);
         tracing::info!(sandbox = %id, operation = %op_id, "sandbox running");
         Ok(())
@@ -439,7 +480,7 @@ impl Service {
             &socket,
             handle.agent.clone(),
         )?;
-        if let Some(old) = lock(&handle.listener).replace(task) {
+        if let Some((old, _)) = lock(&handle.listener).replace((task, socket)) {
             old.abort();
         }
         Ok(())
@@ -534,7 +575,7 @@ impl Service {
     }
 
     pub fn get_sandbox(&self, id: &str) -> Result<Sandbox> {
-        Ok(self.record(id)?.sandbox)
+        Ok(self.decorate(self.record(id)?.sandbox))
     }
 
     pub(crate) fn record(&self, id: &str) -> Result<SandboxRecord> {
@@ -553,162 +594,8 @@ impl Service {
             .into_iter()
             .map(|r| r.sandbox)
             .filter(|s| labels.iter().all(|(k, v)| s.labels.get(k) == Some(v)))
+            .map(|s| self.decorate(s))
             .collect())
-    }
-
-    /// `DELETE /v1/sandboxes/{id}`.
-    pub fn destroy_sandbox(&self, id: &str) -> Result<Operation> {
-        let rec = self.record(id)?;
-        transition(rec.sandbox.state, SandboxEvent::DestroyRequested)?;
-        let handle = self.handle(id);
-        let op = {
-            let mut pending = lock(&handle.destroy_op);
-            if let Some(existing) = pending.as_ref() {
-                return Err(ServiceError::Conflict(format!(
-                    "sandbox {id} is already being destroyed by operation {existing}"
-                )));
-            }
-            let op = new_operation(OperationKind::Destroy, Some(id));
-            self.0.store.insert_operation(&op)?;
-            *pending = Some(op.id.clone());
-            op
-        };
-        self.op_changed();
-        tracing::info!(sandbox = %id, operation = %op.id, "destroy requested");
-        let svc = self.clone();
-        let op_id = op.id.clone();
-        tokio::spawn(async move { svc.run_destroy(handle, op_id).await });
-        Ok(op)
-    }
-
-    async fn run_destroy(&self, handle: Arc<SandboxHandle>, op_id: String) {
-        let _lifecycle = handle.lifecycle.lock().await;
-        let result = self.destroy_steps(&handle, &op_id).await;
-        lock(&handle.destroy_op).take();
-        if let Err(e) = &result {
-            tracing::warn!(sandbox = %handle.id, operation = %op_id, error = %e.message, "destroy failed");
-            if let Ok(mut rec) = self.record(&handle.id) {
-                rec.sandbox.state = SandboxState::Failed;
-                rec.sandbox.failure_reason = Some(format!("destroy failed: {}", e.message));
-                rec.sandbox.updated_at = now_rfc3339();
-                let _ = self.0.store.update_sandbox(&rec);
-            }
-        }
-        let _ = self.finish_op(&op_id, result.err());
-    }
-
-    async fn destroy_steps(
-        &self,
-        handle: &Arc<SandboxHandle>,
-        op_id: &str,
-    ) -> Result<(), ApiError> {
-        let id = &handle.id;
-        let mut rec = self.record(id).map_err(internal)?;
-        if rec.sandbox.state != SandboxState::Destroying {
-            rec.sandbox.state = transition(rec.sandbox.state, SandboxEvent::DestroyRequested)
-                .map_err(|e| ApiError::new("conflict", e.to_string()))?;
-        }
-        rec.sandbox.updated_at = now_rfc3339();
-        let mut op = self.operation(op_id).map_err(internal)?;
-        op.status = OperationStatus::Running;
-        op.progress = Some("stopping the sandbox".into());
-        op.updated_at = now_rfc3339();
-        self.0
-            .store
-            .update_sandbox_and_op(&rec, &op)
-            .map_err(internal)?;
-        self.op_changed();
-
-        handle.closed.cancel();
-        handle.stop_listener();
-        self.lose_commands(id, "the sandbox was destroyed");
-        self.0
-            .runtime
-            .destroy(id, &self.sandbox_dir(id))
-            .await
-            .map_err(|e| ApiError::new("runtime_failed", error_chain(&e)))?;
-        let mut rec = self.record(id).map_err(internal)?;
-        rec.sandbox.state = transition(rec.sandbox.state, SandboxEvent::Destroyed)
-            .map_err(|e| ApiError::new("conflict", e.to_string()))?;
-        rec.sandbox.updated_at = now_rfc3339();
-        self.0.store.update_sandbox(&rec).map_err(internal)?;
-        self.forget_handle(id);
-        tracing::info!(sandbox = %id, operation = %op_id, "sandbox destroyed");
-        Ok(())
-    }
-
-    /// `POST /v1/sandboxes/{id}/pause` and `/resume`.
-    pub fn pause_or_resume(&self, id: &str, pause: bool) -> Result<Operation> {
-        let rec = self.record(id)?;
-        let event = if pause {
-            SandboxEvent::PauseRequested
-        } else {
-            SandboxEvent::ResumeRequested
-        };
-        let next = transition(rec.sandbox.state, event)?;
-        if rec.sandbox.state == SandboxState::Suspended {
-            return Err(ServiceError::NotImplemented(
-                "resuming a suspended sandbox is not supported yet".into(),
-            ));
-        }
-        let handle = self.live_handle(id).ok_or_else(|| {
-            ServiceError::Conflict(format!("sandbox {id} is not managed by this server"))
-        })?;
-        let kind = if pause {
-            OperationKind::Pause
-        } else {
-            OperationKind::Resume
-        };
-        let op = new_operation(kind, Some(id));
-        let mut rec = rec;
-        rec.sandbox.state = next;
-        rec.sandbox.updated_at = now_rfc3339();
-        self.0.store.update_sandbox_and_op(&rec, &op)?;
-        self.op_changed();
-        let svc = self.clone();
-        let op_id = op.id.clone();
-        tokio::spawn(async move {
-            let _lifecycle = handle.lifecycle.lock().await;
-            let _ = svc.update_op(&op_id, |op| op.status = OperationStatus::Running);
-            let result = if pause {
-                svc.0.runtime.pause(&handle.id).await
-            } else {
-                svc.0.runtime.resume(&handle.id).await
-            };
-            let done = if pause {
-                SandboxEvent::Paused
-            } else {
-                SandboxEvent::Resumed
-            };
-            let err = match result {
-                Ok(()) => {
-                    if let Ok(mut rec) = svc.record(&handle.id) {
-                        if let Ok(next) = transition(rec.sandbox.state, done) {
-                            rec.sandbox.state = next;
-                            rec.sandbox.updated_at = now_rfc3339();
-                            let _ = svc.0.store.update_sandbox(&rec);
-                        }
-                    }
-                    None
-                }
-                Err(e) => {
-                    let err = ApiError::new("runtime_failed", error_chain(&e));
-                    svc.fail_sandbox(&handle, &err.message).await;
-                    Some(err)
-                }
-            };
-            let _ = svc.finish_op(&op_id, err);
-        });
-        Ok(op)
-    }
-
-    /// `POST /v1/sandboxes/{id}/suspend`: checked, then refused until snapshots exist.
-    pub fn suspend(&self, id: &str) -> Result<Operation> {
-        let rec = self.record(id)?;
-        transition(rec.sandbox.state, SandboxEvent::SuspendRequested)?;
-        Err(ServiceError::NotImplemented(
-            "suspend to a snapshot is not supported yet; use pause".into(),
-        ))
     }
 
     // ---- operations ----
@@ -730,7 +617,7 @@ impl Service {
 
     /// The operation once it has ended, or as it is after `wait`.
     pub async fn wait_operation(&self, id: &str, wait: Duration) -> Result<Operation> {
-        let mut rx = self.0.op_version.subscribe();
+        let mut rx = self.0.store.subscribe_events();
         let deadline = tokio::time::Instant::now() + wait;
         loop {
             rx.borrow_and_update();
@@ -745,53 +632,11 @@ impl Service {
         }
     }
 
-    /// `POST /v1/operations/{id}/cancel`: only a create that has not started can be cancelled.
-    pub fn cancel_operation(&self, id: &str) -> Result<Operation> {
-        let op = self.operation(id)?;
-        if op.status.is_terminal() {
-            return Err(ServiceError::Conflict(format!(
-                "operation {id} has already ended ({})",
-                op.status
-            )));
-        }
-        let token = if op.kind == OperationKind::Create {
-            lock(&self.0.pending_creates).remove(id)
-        } else {
-            None
-        };
-        let Some(token) = token else {
-            return Err(ServiceError::Conflict(format!(
-                "operation {id} is {} and cannot be cancelled: only a create that is still pending can; \
-                 destroy the sandbox instead",
-                op.status
-            )));
-        };
-        token.cancel();
-        let mut op = op;
-        op.status = OperationStatus::Cancelled;
-        op.error = Some(ApiError::new("cancelled", "the operation was cancelled"));
-        op.updated_at = now_rfc3339();
-        if let Some(sb) = op.sandbox_id.as_deref() {
-            let mut rec = self.record(sb)?;
-            rec.sandbox.state = SandboxState::Destroyed;
-            rec.sandbox.failure_reason = Some("create cancelled".into());
-            rec.sandbox.updated_at = now_rfc3339();
-            self.0.store.update_sandbox_and_op(&rec, &op)?;
-            self.forget_handle(sb);
-        } else {
-            self.0.store.update_operation(&op)?;
-        }
-        self.op_changed();
-        tracing::info!(operation = %id, "create cancelled");
-        Ok(op)
-    }
-
     fn update_op(&self, id: &str, f: impl FnOnce(&mut Operation)) -> Result<Operation> {
         let mut op = self.operation(id)?;
         f(&mut op);
         op.updated_at = now_rfc3339();
         self.0.store.update_operation(&op)?;
-        self.op_changed();
         Ok(op)
     }
 
@@ -807,148 +652,6 @@ impl Service {
             }
             op.error = error;
         })
-    }
-
-    fn op_changed(&self) {
-        self.0.op_version.send_modify(|v| *v = v.wrapping_add(1));
-    }
-
-    // ---- restart ----
-
-    /// Brings the store in line with reality after a start (or a crash).
-    async fn reconcile(&self) -> anyhow::Result<()> {
-        let records = self.0.store.list_sandboxes()?;
-        let mut keep: Vec<String> = Vec::new();
-        for rec in records {
-            let id = rec.sandbox.id.clone();
-            match rec.sandbox.state {
-                SandboxState::Destroyed => {}
-                SandboxState::Failed => {
-                    self.lose_commands(&id, "the sandbox failed");
-                }
-                SandboxState::Creating => {
-                    let handle = self.handle(&id);
-                    self.fail_sandbox(
-                        &handle,
-                        "the server restarted while the sandbox was being created",
-                    )
-                    .await;
-                }
-                SandboxState::Destroying => {
-                    keep.push(id.clone());
-                }
-                _ => {
-                    let status = self
-                        .0
-                        .runtime
-                        .status(&id)
-                        .await
-                        .unwrap_or(RuntimeStatus::Missing);
-                    match status {
-                        RuntimeStatus::Running | RuntimeStatus::Paused => {
-                            let mut rec = rec.clone();
-                            rec.sandbox.state = if status == RuntimeStatus::Running {
-                                SandboxState::Running
-                            } else {
-                                SandboxState::Paused
-                            };
-                            rec.sandbox.updated_at = now_rfc3339();
-                            self.0.store.update_sandbox(&rec)?;
-                            self.adopt(&rec)?;
-                            keep.push(id);
-                        }
-                        _ => {
-                            let handle = self.handle(&id);
-                            tracing::warn!(sandbox = %id, "sandbox vanished while the server was down");
-                            self.fail_sandbox(
-                                &handle,
-                                "the sandbox vanished while the server was down",
-                            )
-                            .await;
-                        }
-                    }
-                }
-            }
-        }
-        // Operations that were under way when the server stopped.
-        for op in self.0.store.unfinished_operations()? {
-            let sandbox = op.sandbox_id.as_deref().and_then(|s| self.record(s).ok());
-            match (op.kind, sandbox) {
-                (OperationKind::Destroy, Some(rec))
-                    if rec.sandbox.state != SandboxState::Destroyed =>
-                {
-                    let handle = self.handle(&rec.sandbox.id);
-                    *lock(&handle.destroy_op) = Some(op.id.clone());
-                    let svc = self.clone();
-                    let op_id = op.id.clone();
-                    // Finish it before serving: destroy must always complete.
-                    svc.run_destroy(handle, op_id).await;
-                }
-                (OperationKind::Destroy, Some(_)) => {
-                    self.finish_op(&op.id, None)?;
-                }
-                (OperationKind::Pause | OperationKind::Resume, Some(rec))
-                    if matches!(
-                        (op.kind, rec.sandbox.state),
-                        (OperationKind::Pause, SandboxState::Paused)
-                            | (OperationKind::Resume, SandboxState::Running)
-                    ) =>
-                {
-                    self.finish_op(&op.id, None)?;
-                }
-                _ => {
-                    self.finish_op(
-                        &op.id,
-                        Some(ApiError::new(
-                            "interrupted",
-                            "the server restarted before the operation finished",
-                        )),
-                    )?;
-                }
-            }
-        }
-        // Sandboxes left in `destroying` without an operation (should not happen) are finished too.
-        for id in keep {
-            if let Ok(rec) = self.record(&id) {
-                if rec.sandbox.state == SandboxState::Destroying {
-                    let op = new_operation(OperationKind::Destroy, Some(&id));
-                    self.0.store.insert_operation(&op)?;
-                    let handle = self.handle(&id);
-                    self.run_destroy(handle, op.id).await;
-                }
-            }
-        }
-        // Leftovers the store does not know as live: containers and directories.
-        let live: Vec<String> = lock(&self.0.sandboxes).keys().cloned().collect();
-        for cid in self.0.runtime.list().await.unwrap_or_default() {
-            if !live.contains(&cid) {
-                tracing::warn!(sandbox = %cid, "removing a leftover container");
-                let _ = self.0.runtime.destroy(&cid, &self.sandbox_dir(&cid)).await;
-            }
-        }
-        if let Ok(entries) = std::fs::read_dir(self.0.cfg.data_dir.join("sandboxes")) {
-            for e in entries.flatten() {
-                let name = e.file_name().to_string_lossy().into_owned();
-                if !live.contains(&name) {
-                    let _ = std::fs::remove_dir_all(e.path());
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// Takes over a sandbox that kept running while the server was down.
-    fn adopt(&self, rec: &SandboxRecord) -> anyhow::Result<()> {
-        let handle = self.handle(&rec.sandbox.id);
-        self.start_listener(&handle, rec)?;
-        tracing::info!(sandbox = %rec.sandbox.id, "re-adopting sandbox; waiting for its agent");
-        self.spawn_monitor(&handle);
-        for cmd in self.0.store.list_commands(&rec.sandbox.id)? {
-            if !cmd.state.is_terminal() {
-                self.resume_command_session(&handle, cmd);
-            }
-        }
-        Ok(())
     }
 }
 

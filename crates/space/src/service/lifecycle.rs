@@ -1,0 +1,470 @@
+//! Lifecycle operations on an existing sandbox: destroy, pause, resume,
+//! suspend. Each request is checked against the state machine at once (409),
+//! recorded as a `pending` operation, and run as a task that holds the
+//! sandbox's lifecycle lock, so operations on one sandbox never interleave.
+//! Every operation has a deadline: one that passes it ends `failed`, and its
+//! sandbox goes to `failed`, from which destroy always works.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use space_api::{ApiError, Operation, OperationKind, OperationStatus, SandboxState};
+use space_core::runtime::RuntimeStatus;
+use space_core::{now_rfc3339, transition, SandboxEvent};
+use tokio_util::sync::CancellationToken;
+
+use super::{
+    agent, error_chain, internal, lock, new_operation, Result, SandboxHandle, Service, ServiceError,
+};
+
+/// How long the agent may take to drop its connection before a checkpoint.
+const QUIESCE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a restored sandbox's agent may take to dial back in.
+const RESTORE_CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Longest an operation of each kind may run before it is failed.
+pub(crate) fn deadline(kind: OperationKind) -> Duration {
+    match kind {
+        // A create may have to build the debian template first.
+        OperationKind::Create | OperationKind::Build => Duration::from_secs(20 * 60),
+        OperationKind::Suspend => Duration::from_secs(5 * 60),
+        OperationKind::Resume => Duration::from_secs(3 * 60),
+        OperationKind::Destroy => Duration::from_secs(2 * 60),
+        OperationKind::Pause => Duration::from_secs(60),
+    }
+}
+
+fn request_event(kind: OperationKind) -> SandboxEvent {
+    match kind {
+        OperationKind::Pause => SandboxEvent::PauseRequested,
+        OperationKind::Resume => SandboxEvent::ResumeRequested,
+        OperationKind::Suspend => SandboxEvent::SuspendRequested,
+        _ => SandboxEvent::DestroyRequested,
+    }
+}
+
+fn conflict(e: impl std::fmt::Display) -> ApiError {
+    ApiError::new("conflict", e.to_string())
+}
+
+fn runtime_failed(e: &dyn std::error::Error) -> ApiError {
+    ApiError::new("runtime_failed", error_chain(e))
+}
+
+impl Service {
+    /// `DELETE /v1/sandboxes/{id}`.
+    pub fn destroy_sandbox(&self, id: &str) -> Result<Operation> {
+        self.request_lifecycle(id, OperationKind::Destroy, None)
+    }
+
+    /// `POST /v1/sandboxes/{id}/pause`.
+    pub fn pause(&self, id: &str) -> Result<Operation> {
+        self.request_lifecycle(id, OperationKind::Pause, None)
+    }
+
+    /// `POST /v1/sandboxes/{id}/resume`: from `paused` or `suspended`.
+    pub fn resume(&self, id: &str) -> Result<Operation> {
+        self.request_lifecycle(id, OperationKind::Resume, None)
+    }
+
+    /// `POST /v1/sandboxes/{id}/suspend`.
+    pub fn suspend(&self, id: &str) -> Result<Operation> {
+        self.request_lifecycle(id, OperationKind::Suspend, None)
+    }
+
+    /// Checks, records and starts a lifecycle operation. `progress` is the
+    /// first line of its progress (why it was started, for policy-driven ones).
+    pub(crate) fn request_lifecycle(
+        &self,
+        id: &str,
+        kind: OperationKind,
+        progress: Option<&str>,
+    ) -> Result<Operation> {
+        let rec = self.record(id)?;
+        transition(rec.sandbox.state, request_event(kind))?;
+        let handle = self.handle(id);
+        let op = {
+            let mut unfinished = lock(&handle.ops);
+            // One operation at a time; a destroy may queue behind another, but only one destroy.
+            if let Some((other, other_kind)) = unfinished
+                .iter()
+                .find(|(_, k)| kind != OperationKind::Destroy || *k == OperationKind::Destroy)
+            {
+                return Err(ServiceError::Conflict(format!(
+                    "sandbox {id} has a {other_kind} operation in progress ({other}); wait for it or cancel it"
+                )));
+            }
+            let mut op = new_operation(kind, Some(id));
+            op.progress = progress.map(str::to_owned);
+            self.0.store.insert_operation(&op)?;
+            unfinished.push((op.id.clone(), kind));
+            op
+        };
+        let cancel = CancellationToken::new();
+        lock(&self.0.pending_ops).insert(op.id.clone(), cancel.clone());
+        tracing::info!(sandbox = %id, operation = %op.id, %kind, "operation requested");
+        let svc = self.clone();
+        let op_id = op.id.clone();
+        tokio::spawn(async move { svc.run_lifecycle(handle, op_id, kind, cancel).await });
+        Ok(op)
+    }
+
+    pub(super) async fn run_lifecycle(
+        &self,
+        handle: Arc<SandboxHandle>,
+        op_id: String,
+        kind: OperationKind,
+        cancel: CancellationToken,
+    ) {
+        let guard = tokio::select! {
+            g = handle.lifecycle.lock() => Some(g),
+            _ = cancel.cancelled() => None,
+        };
+        let started = lock(&self.0.pending_ops).remove(&op_id).is_some();
+        if guard.is_none() || !started {
+            lock(&handle.ops).retain(|(o, _)| *o != op_id);
+            return; // Cancelled while pending: the canceller recorded it.
+        }
+        let steps = async {
+            match kind {
+                OperationKind::Destroy => self.destroy_steps(&handle, &op_id).await,
+                OperationKind::Pause => self.pause_steps(&handle, &op_id).await,
+                OperationKind::Resume => self.resume_steps(&handle, &op_id).await,
+                OperationKind::Suspend => self.suspend_steps(&handle, &op_id).await,
+                OperationKind::Create | OperationKind::Build => Err(ApiError::new(
+                    "internal",
+                    "not a lifecycle operation on an existing sandbox",
+                )),
+            }
+        };
+        let limit = deadline(kind);
+        let result = match tokio::time::timeout(limit, steps).await {
+            Ok(r) => r,
+            Err(_) => {
+                let e = ApiError::new(
+                    "timed_out",
+                    format!("the {kind} did not finish within {}s", limit.as_secs()),
+                );
+                self.fail_sandbox(&handle, &format!("{} failed: {}", kind, e.message))
+                    .await;
+                Err(e)
+            }
+        };
+        if let Err(e) = &result {
+            tracing::warn!(sandbox = %handle.id, operation = %op_id, %kind, error = %e.message, "operation failed");
+        }
+        let _ = self.finish_op(&op_id, result.err());
+        lock(&handle.ops).retain(|(o, _)| *o != op_id);
+        drop(guard);
+    }
+
+    /// Moves the sandbox along `event` and marks the operation running, in one write.
+    fn begin(
+        &self,
+        id: &str,
+        op_id: &str,
+        event: SandboxEvent,
+        progress: &str,
+    ) -> Result<SandboxState, ApiError> {
+        let mut rec = self.record(id).map_err(internal)?;
+        let from = rec.sandbox.state;
+        rec.sandbox.state = transition(from, event).map_err(conflict)?;
+        rec.sandbox.updated_at = now_rfc3339();
+        let mut op = self.operation(op_id).map_err(internal)?;
+        op.status = OperationStatus::Running;
+        op.progress = Some(progress.into());
+        op.updated_at = now_rfc3339();
+        self.0
+            .store
+            .update_sandbox_and_op(&rec, &op)
+            .map_err(internal)?;
+        Ok(from)
+    }
+
+    /// Applies `event` to the stored sandbox (and, with `f`, changes more of it).
+    pub(crate) fn advance(
+        &self,
+        id: &str,
+        event: SandboxEvent,
+        f: impl FnOnce(&mut space_store::SandboxRecord),
+    ) -> Result<(), ApiError> {
+        let mut rec = self.record(id).map_err(internal)?;
+        rec.sandbox.state = transition(rec.sandbox.state, event).map_err(conflict)?;
+        rec.sandbox.updated_at = now_rfc3339();
+        f(&mut rec);
+        self.0.store.update_sandbox(&rec).map_err(internal)
+    }
+
+    async fn destroy_steps(
+        &self,
+        handle: &Arc<SandboxHandle>,
+        op_id: &str,
+    ) -> Result<(), ApiError> {
+        let id = &handle.id;
+        let rec = self.record(id).map_err(internal)?;
+        if rec.sandbox.state != SandboxState::Destroying {
+            self.begin(
+                id,
+                op_id,
+                SandboxEvent::DestroyRequested,
+                "stopping the sandbox",
+            )?;
+        }
+        handle.closed.cancel();
+        handle.stop_listener();
+        self.lose_commands(id, "the sandbox was destroyed");
+        let dir = self.sandbox_dir(id);
+        let result = self.0.runtime.destroy(id, &dir).await;
+        if let Err(e) = result {
+            let e = runtime_failed(&e);
+            self.advance(id, SandboxEvent::Failed, |r| {
+                r.sandbox.failure_reason = Some(format!("destroy failed: {}", e.message));
+            })?;
+            return Err(e);
+        }
+        let _ = std::fs::remove_dir_all(self.snapshot_dir(id));
+        self.advance(id, SandboxEvent::Destroyed, |r| {
+            r.sandbox.destroyed_at = Some(now_rfc3339());
+            r.snapshot_dir = None;
+        })?;
+        self.forget_handle(id);
+        tracing::info!(sandbox = %id, operation = %op_id, "sandbox destroyed");
+        Ok(())
+    }
+
+    async fn pause_steps(&self, handle: &Arc<SandboxHandle>, op_id: &str) -> Result<(), ApiError> {
+        let id = &handle.id;
+        self.begin(id, op_id, SandboxEvent::PauseRequested, "pausing")?;
+        match self.0.runtime.pause(id).await {
+            Ok(()) => self.advance(id, SandboxEvent::Paused, |_| {}),
+            Err(e) => {
+                let e = runtime_failed(&e);
+                self.settle_after_failure(handle, SandboxEvent::PauseAborted, &e)
+                    .await;
+                Err(e)
+            }
+        }
+    }
+
+    async fn resume_steps(&self, handle: &Arc<SandboxHandle>, op_id: &str) -> Result<(), ApiError> {
+        let id = &handle.id;
+        let from = self.begin(id, op_id, SandboxEvent::ResumeRequested, "resuming")?;
+        if from == SandboxState::Paused {
+            return match self.0.runtime.resume(id).await {
+                Ok(()) => self.advance(id, SandboxEvent::Resumed, |_| {}),
+                Err(e) => {
+                    let e = runtime_failed(&e);
+                    self.settle_after_failure(handle, SandboxEvent::ResumeAbortedToPaused, &e)
+                        .await;
+                    Err(e)
+                }
+            };
+        }
+        // From a snapshot: listen first, restore, wait for the agent to dial back in.
+        let rec = self.record(id).map_err(internal)?;
+        self.update_op(op_id, |op| {
+            op.progress = Some("restoring the snapshot".into())
+        })
+        .map_err(internal)?;
+        self.start_listener(handle, &rec)
+            .map_err(|e| ApiError::new("internal", format!("listening for the agent: {e}")))?;
+        let image = self.snapshot_dir(id);
+        let restored = self
+            .0
+            .runtime
+            .restore(id, &self.sandbox_dir(id), &image)
+            .await
+            .map_err(|e| runtime_failed(&e));
+        let connected = match restored {
+            Ok(()) => {
+                self.update_op(op_id, |op| {
+                    op.progress = Some("waiting for the agent".into())
+                })
+                .map_err(internal)?;
+                let mut rx = handle.agent.subscribe();
+                agent::wait_connected(&mut rx, RESTORE_CONNECT_TIMEOUT)
+                    .await
+                    .map(|_| ())
+                    .map_err(|_| {
+                        ApiError::new(
+                            "agent_timeout",
+                            "the restored sandbox's agent did not connect in time",
+                        )
+                    })
+            }
+            Err(e) => Err(e),
+        };
+        if let Err(e) = connected {
+            // The snapshot is untouched: go back to `suspended` so the resume can be retried.
+            handle.stop_listener();
+            let _ = self.0.runtime.stop(id, &self.sandbox_dir(id)).await;
+            self.advance(id, SandboxEvent::ResumeAbortedToSuspended, |_| {})?;
+            return Err(e);
+        }
+        self.advance(id, SandboxEvent::Resumed, |r| {
+            r.snapshot_dir = None;
+            r.sandbox.cost.snapshot_bytes = None;
+        })?;
+        // The snapshot has served its purpose; the live sandbox is the truth now.
+        let _ = std::fs::remove_dir_all(&image);
+        self.spawn_monitor(handle);
+        self.touch(id);
+        Ok(())
+    }
+
+    async fn suspend_steps(
+        &self,
+        handle: &Arc<SandboxHandle>,
+        op_id: &str,
+    ) -> Result<(), ApiError> {
+        let id = &handle.id;
+        let from = self.begin(id, op_id, SandboxEvent::SuspendRequested, "suspending")?;
+        if from == SandboxState::Paused {
+            if let Err(e) = self.0.runtime.resume(id).await {
+                let e = runtime_failed(&e);
+                self.settle_after_failure(handle, SandboxEvent::SuspendAborted, &e)
+                    .await;
+                return Err(e);
+            }
+        }
+        // A checkpoint cannot save an open host socket: close ours, and have the agent
+        // drop its end. Its commands keep running and their output stays buffered.
+        self.update_op(op_id, |op| {
+            op.progress = Some("disconnecting the agent".into())
+        })
+        .map_err(internal)?;
+        let conn = handle.agent.borrow().clone();
+        handle.stop_listener_keep_connection();
+        if let Some(conn) = conn {
+            let _ = tokio::time::timeout(
+                Duration::from_secs(2),
+                conn.json::<serde_json::Value>(http::Method::POST, "/v1/quiesce", None::<&()>),
+            )
+            .await;
+        }
+        let mut rx = handle.agent.subscribe();
+        let gone = matches!(
+            tokio::time::timeout(QUIESCE_TIMEOUT, rx.wait_for(|c| c.is_none())).await,
+            Ok(Ok(_))
+        );
+        if !gone {
+            let e = ApiError::new(
+                "agent_busy",
+                "the agent did not let go of its connection; the sandbox keeps running",
+            );
+            let rec = self.record(id).map_err(internal)?;
+            let _ = self.start_listener(handle, &rec);
+            handle.drop_connection();
+            self.advance(id, SandboxEvent::SuspendAborted, |_| {})?;
+            return Err(e);
+        }
+        self.update_op(op_id, |op| {
+            op.progress = Some("writing the snapshot".into())
+        })
+        .map_err(internal)?;
+        let image = self.snapshot_dir(id);
+        let _ = std::fs::remove_dir_all(&image);
+        if let Err(e) = self
+            .0
+            .runtime
+            .checkpoint(id, &self.sandbox_dir(id), &image)
+            .await
+        {
+            let e = runtime_failed(&e);
+            let status = self.0.runtime.status(id).await.ok();
+            if status == Some(RuntimeStatus::Running) {
+                let rec = self.record(id).map_err(internal)?;
+                let _ = self.start_listener(handle, &rec);
+                self.advance(id, SandboxEvent::SuspendAborted, |_| {})?;
+            } else {
+                self.fail_sandbox(handle, &format!("suspend failed: {}", e.message))
+                    .await;
+            }
+            return Err(e);
+        }
+        let bytes = dir_size(&image);
+        self.advance(id, SandboxEvent::Suspended, |r| {
+            r.snapshot_dir = Some(image.to_string_lossy().into_owned());
+            r.sandbox.cost.snapshot_bytes = Some(bytes);
+            r.sandbox.cost.memory_bytes = None;
+        })?;
+        tracing::info!(sandbox = %id, operation = %op_id, snapshot_bytes = bytes, "sandbox suspended");
+        Ok(())
+    }
+
+    /// After a failed pause/resume/suspend: if the sandbox still runs as before,
+    /// go back (`event`); otherwise it is `failed`.
+    async fn settle_after_failure(
+        &self,
+        handle: &Arc<SandboxHandle>,
+        event: SandboxEvent,
+        e: &ApiError,
+    ) {
+        let expected = match event {
+            SandboxEvent::ResumeAbortedToPaused => RuntimeStatus::Paused,
+            _ => RuntimeStatus::Running,
+        };
+        if self.0.runtime.status(&handle.id).await.ok() == Some(expected)
+            && self.advance(&handle.id, event, |_| {}).is_ok()
+        {
+            return;
+        }
+        self.fail_sandbox(handle, &e.message).await;
+    }
+
+    /// `POST /v1/operations/{id}/cancel`: an operation that has not started can be
+    /// cancelled; one that runs cannot (it says so).
+    pub fn cancel_operation(&self, id: &str) -> Result<Operation> {
+        let op = self.operation(id)?;
+        if op.status.is_terminal() {
+            return Err(ServiceError::Conflict(format!(
+                "operation {id} has already ended ({})",
+                op.status
+            )));
+        }
+        let Some(token) = lock(&self.0.pending_ops).remove(id) else {
+            return Err(ServiceError::Conflict(format!(
+                "operation {id} is {} and can no longer be cancelled: only a pending operation can",
+                op.status
+            )));
+        };
+        token.cancel();
+        let mut op = op;
+        op.status = OperationStatus::Cancelled;
+        op.error = Some(ApiError::new("cancelled", "the operation was cancelled"));
+        op.updated_at = now_rfc3339();
+        match (op.kind, op.sandbox_id.as_deref()) {
+            (OperationKind::Create, Some(sb)) => {
+                let mut rec = self.record(sb)?;
+                rec.sandbox.state = SandboxState::Destroyed;
+                rec.sandbox.failure_reason = Some("create cancelled".into());
+                rec.sandbox.destroyed_at = Some(now_rfc3339());
+                rec.sandbox.updated_at = now_rfc3339();
+                self.0.store.update_sandbox_and_op(&rec, &op)?;
+                self.forget_handle(sb);
+            }
+            _ => self.0.store.update_operation(&op)?,
+        }
+        tracing::info!(operation = %id, kind = %op.kind, "operation cancelled");
+        Ok(op)
+    }
+}
+
+/// Bytes of all files under `dir`.
+pub(crate) fn dir_size(dir: &std::path::Path) -> u64 {
+    let mut total = 0;
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        let Ok(entries) = std::fs::read_dir(&d) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            match e.metadata() {
+                Ok(m) if m.is_dir() => stack.push(e.path()),
+                Ok(m) => total += m.len(),
+                Err(_) => {}
+            }
+        }
+    }
+    total
+}
