@@ -44,6 +44,31 @@ pub enum SandboxCmd {
     },
     /// Show one sandbox as JSON.
     Get { id: String },
+    /// Pause a sandbox (stays in memory; fast resume).
+    Pause {
+        id: String,
+        #[arg(long)]
+        no_wait: bool,
+    },
+    /// Resume a paused or suspended sandbox.
+    Resume {
+        id: String,
+        #[arg(long)]
+        no_wait: bool,
+    },
+    /// Suspend a sandbox to a snapshot on disk (frees its memory).
+    Suspend {
+        id: String,
+        #[arg(long)]
+        no_wait: bool,
+    },
+    /// Count as activity now (idle timer) and restart the TTL.
+    Keepalive {
+        id: String,
+        /// New TTL from now, in seconds.
+        #[arg(long)]
+        ttl: Option<u64>,
+    },
     /// Destroy a sandbox and wait until it is gone.
     Rm {
         id: String,
@@ -88,6 +113,10 @@ pub enum ClientCmd {
     Ops(OpsCmd),
     Exec(ExecArgs),
     Templates,
+    /// Follow server-sent events; `after` replays from an event id.
+    Events {
+        after: Option<i64>,
+    },
 }
 
 struct Client {
@@ -257,6 +286,31 @@ pub async fn run(cmd: ClientCmd) -> anyhow::Result<i32> {
             op_outcome(&op)?;
             eprintln!("destroyed {id}");
         }
+        ClientCmd::Sandbox(SandboxCmd::Pause { id, no_wait }) => {
+            lifecycle(&c, &id, "pause", no_wait).await?;
+        }
+        ClientCmd::Sandbox(SandboxCmd::Resume { id, no_wait }) => {
+            lifecycle(&c, &id, "resume", no_wait).await?;
+        }
+        ClientCmd::Sandbox(SandboxCmd::Suspend { id, no_wait }) => {
+            lifecycle(&c, &id, "suspend", no_wait).await?;
+        }
+        ClientCmd::Sandbox(SandboxCmd::Keepalive { id, ttl }) => {
+            let body = serde_json::json!({ "ttl_seconds": ttl });
+            let body = if ttl.is_some() {
+                body
+            } else {
+                serde_json::json!({})
+            };
+            let sb: Sandbox = c
+                .send(
+                    c.req(M::POST, &format!("/v1/sandboxes/{id}/keepalive"))
+                        .json(&body),
+                )
+                .await?;
+            print_json(&sb)?;
+        }
+        ClientCmd::Events { after } => return events(&c, after).await,
         ClientCmd::Ops(OpsCmd::Get { id }) => {
             let op: Operation = c
                 .send(c.req(M::GET, &format!("/v1/operations/{id}")))
@@ -290,6 +344,61 @@ pub async fn run(cmd: ClientCmd) -> anyhow::Result<i32> {
         ClientCmd::Exec(args) => return exec(&c, args).await,
     }
     Ok(0)
+}
+
+/// `space sandbox pause|resume|suspend`.
+async fn lifecycle(c: &Client, id: &str, verb: &str, no_wait: bool) -> anyhow::Result<()> {
+    let op: Operation = c
+        .send(c.req(reqwest::Method::POST, &format!("/v1/sandboxes/{id}/{verb}")))
+        .await?;
+    if no_wait {
+        return print_json(&op);
+    }
+    let op = c.wait_op(&op.id, Duration::from_secs(600)).await?;
+    op_outcome(&op)?;
+    let sb: Sandbox = c
+        .send(c.req(reqwest::Method::GET, &format!("/v1/sandboxes/{id}")))
+        .await?;
+    eprintln!("{id} is {}", sb.state);
+    Ok(())
+}
+
+/// `space events`: one JSON line per event, resuming after a dropped connection.
+async fn events(c: &Client, after: Option<i64>) -> anyhow::Result<i32> {
+    let mut last = after;
+    let mut failures = 0u32;
+    loop {
+        let mut rb = c.req(reqwest::Method::GET, "/v1/events");
+        if let Some(id) = last {
+            rb = rb.header("last-event-id", id.to_string());
+        }
+        match rb.send().await {
+            Ok(resp) if resp.status().is_success() => {
+                let mut body = resp.bytes_stream();
+                let mut buf: Vec<u8> = Vec::new();
+                while let Some(Ok(chunk)) = body.next().await {
+                    failures = 0;
+                    buf.extend_from_slice(&chunk);
+                    while let Some(pos) = buf.windows(2).position(|w| w == b"\n\n") {
+                        let frame: Vec<u8> = buf.drain(..pos + 2).collect();
+                        for line in String::from_utf8_lossy(&frame).lines() {
+                            if let Some(data) = line.strip_prefix("data: ") {
+                                println!("{data}");
+                                if let Ok(v) = serde_json::from_str::<Value>(data) {
+                                    last = v.get("id").and_then(Value::as_i64).or(last);
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+            Ok(resp) => bail!("reading events failed: {}", resp.status()),
+            Err(e) if failures > 30 => return Err(e).context("lost the connection to the server"),
+            Err(_) => {}
+        }
+        failures += 1;
+        tokio::time::sleep(Duration::from_millis(200 * u64::from(failures.min(10)))).await;
+    }
 }
 
 /// `space exec`: start the command, stream its output live (resuming from the

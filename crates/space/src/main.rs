@@ -37,6 +37,12 @@ enum Cmd {
     Exec(cli::ExecArgs),
     /// List templates.
     Templates,
+    /// Follow the server's events (sandbox and operation changes) as JSON lines.
+    Events {
+        /// Replay from after this event id (0: all retained history).
+        #[arg(long)]
+        after: Option<i64>,
+    },
     /// Local administration that needs no server.
     #[command(subcommand)]
     Admin(AdminCmd),
@@ -137,6 +143,7 @@ impl Cmd {
             Cmd::Ops(c) => cli::ClientCmd::Ops(c),
             Cmd::Exec(a) => cli::ClientCmd::Exec(a),
             Cmd::Templates => cli::ClientCmd::Templates,
+            Cmd::Events { after } => cli::ClientCmd::Events { after },
             Cmd::Serve(_) | Cmd::Admin(_) => unreachable!("handled in main"),
         }
     }

@@ -76,6 +76,65 @@ async fn cli_sandbox_ops_and_exec() {
     let out = space(&s, &["ops", "wait", &op]);
     assert!(out.status.success());
 
+    // Lifecycle verbs wait for their operation and say where the sandbox ended up.
+    for (verb, state) in [
+        ("suspend", "suspended"),
+        ("resume", "running"),
+        ("pause", "paused"),
+        ("resume", "running"),
+    ] {
+        let out = space(&s, &["sandbox", verb, &sb]);
+        assert!(out.status.success(), "{verb}: {}", text(&out.stderr));
+        assert!(
+            text(&out.stderr).contains(&format!("is {state}")),
+            "{}",
+            text(&out.stderr)
+        );
+    }
+    let out = space(&s, &["sandbox", "keepalive", &sb, "--ttl", "600"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(v["expires_at"].is_string(), "{v}");
+    let out = space(&s, &["sandbox", "resume", &sb]);
+    assert!(
+        !out.status.success(),
+        "resuming a running sandbox must fail"
+    );
+    assert!(
+        text(&out.stderr).contains("cannot resume"),
+        "{}",
+        text(&out.stderr)
+    );
+
+    // `space events` replays history as JSON lines.
+    let mut events = Command::new(env!("CARGO_BIN_EXE_space"))
+        .args(["events", "--after", "0"])
+        .env("SPACE_URL", &s.url)
+        .env("SPACE_TOKEN", TOKEN)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdout = events.stdout.take().unwrap();
+    let wanted = sb.clone();
+    let reader = std::thread::spawn(move || {
+        use std::io::BufRead;
+        for line in std::io::BufReader::new(stdout).lines() {
+            let v: serde_json::Value = serde_json::from_str(&line.unwrap()).unwrap();
+            if v["object"]["id"] == wanted.as_str() && v["object"]["state"] == "suspended" {
+                return true;
+            }
+        }
+        false
+    });
+    let seen = tokio::task::spawn_blocking(move || reader.join().unwrap());
+    let seen = tokio::time::timeout(std::time::Duration::from_secs(20), seen).await;
+    let _ = events.kill();
+    let _ = events.wait();
+    assert!(
+        matches!(seen, Ok(Ok(true))),
+        "space events did not show the suspend"
+    );
+
     let out = space(&s, &["sandbox", "rm", &sb]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     s.assert_nothing_left(&sb);

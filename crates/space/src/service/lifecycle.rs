@@ -14,7 +14,8 @@ use space_core::{now_rfc3339, transition, SandboxEvent};
 use tokio_util::sync::CancellationToken;
 
 use super::{
-    agent, error_chain, internal, lock, new_operation, Result, SandboxHandle, Service, ServiceError,
+    agent, error_chain, failpoint, internal, lock, new_operation, Result, SandboxHandle, Service,
+    ServiceError,
 };
 
 /// How long the agent may take to drop its connection before a checkpoint.
@@ -210,6 +211,7 @@ impl Service {
                 "stopping the sandbox",
             )?;
         }
+        failpoint("destroy:before_stop");
         handle.closed.cancel();
         handle.stop_listener();
         self.lose_commands(id, "the sandbox was destroyed");
@@ -235,7 +237,10 @@ impl Service {
     async fn pause_steps(&self, handle: &Arc<SandboxHandle>, op_id: &str) -> Result<(), ApiError> {
         let id = &handle.id;
         self.begin(id, op_id, SandboxEvent::PauseRequested, "pausing")?;
-        match self.0.runtime.pause(id).await {
+        failpoint("pause:before_runtime");
+        let paused = self.0.runtime.pause(id).await;
+        failpoint("pause:after_runtime");
+        match paused {
             Ok(()) => self.advance(id, SandboxEvent::Paused, |_| {}),
             Err(e) => {
                 let e = runtime_failed(&e);
@@ -275,6 +280,7 @@ impl Service {
             .restore(id, &self.sandbox_dir(id), &image)
             .await
             .map_err(|e| runtime_failed(&e));
+        failpoint("resume:after_restore");
         let connected = match restored {
             Ok(()) => {
                 self.update_op(op_id, |op| {
@@ -362,6 +368,7 @@ impl Service {
             op.progress = Some("writing the snapshot".into())
         })
         .map_err(internal)?;
+        failpoint("suspend:before_checkpoint");
         let image = self.snapshot_dir(id);
         let _ = std::fs::remove_dir_all(&image);
         if let Err(e) = self
@@ -382,6 +389,7 @@ impl Service {
             }
             return Err(e);
         }
+        failpoint("suspend:after_checkpoint");
         let bytes = dir_size(&image);
         self.advance(id, SandboxEvent::Suspended, |r| {
             r.snapshot_dir = Some(image.to_string_lossy().into_owned());

@@ -426,6 +426,7 @@ impl Service {
             .create(&spec)
             .await
             .map_err(|e| ApiError::new("runtime_failed", error_chain(&e)))?;
+        failpoint("create:after_boot");
         self.update_op(op_id, |op| {
             op.progress = Some("waiting for the agent".into())
         })
@@ -652,6 +653,16 @@ impl Service {
             }
             op.error = error;
         })
+    }
+}
+
+/// Test hook: with `SPACE_FAILPOINT=<name>` the server kills itself (SIGKILL)
+/// at that point, so tests can crash it in the middle of an operation.
+pub(crate) fn failpoint(name: &str) {
+    if std::env::var("SPACE_FAILPOINT").is_ok_and(|v| v == name) {
+        tracing::warn!(failpoint = name, "failpoint reached: killing the server");
+        // SAFETY: plain syscalls on our own pid.
+        unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
     }
 }
 

@@ -27,6 +27,8 @@ pub struct TestServer {
     pub data: tempfile::TempDir,
     pub http: reqwest::Client,
     extra_args: Vec<String>,
+    /// Extra environment for the next start (cleared by `clear_env`).
+    pub env: Vec<(String, String)>,
 }
 
 impl TestServer {
@@ -45,6 +47,7 @@ impl TestServer {
             data,
             http: reqwest::Client::new(),
             extra_args: extra.iter().map(|s| s.to_string()).collect(),
+            env: Vec::new(),
         };
         s.spawn();
         s
@@ -68,6 +71,7 @@ impl TestServer {
             .args(&self.extra_args)
             .env("SPACE_DEV_TOKEN", TOKEN)
             .env("SPACE_LOG", "info")
+            .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(log);
@@ -106,6 +110,62 @@ impl TestServer {
     pub fn kill_and_restart(&mut self) {
         self.kill9();
         self.spawn();
+    }
+
+    /// Starts the server again (same data dir) after it died by itself.
+    pub fn restart(&mut self) {
+        self.spawn();
+    }
+
+    /// Waits until the server process exits by itself (a failpoint killed it).
+    pub fn wait_exit(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let status = c.wait().expect("wait for the server");
+            assert!(!status.success(), "the server exited cleanly: {status}");
+        }
+    }
+
+    /// Waits (on the event stream) until the sandbox reaches `state`; panics after `limit`.
+    pub async fn wait_state(&self, sb: &str, state: &str, limit: Duration) -> Value {
+        let fut = async {
+            let mut resp = self
+                .req(reqwest::Method::GET, "/v1/events?after=0")
+                .send()
+                .await
+                .expect("events");
+            assert_eq!(resp.status(), 200);
+            let mut buf = Vec::new();
+            loop {
+                let chunk = resp
+                    .chunk()
+                    .await
+                    .expect("event chunk")
+                    .expect("stream ended");
+                buf.extend_from_slice(&chunk);
+                while let Some(pos) = buf.windows(2).position(|w| w == b"\n\n") {
+                    let frame: Vec<u8> = buf.drain(..pos + 2).collect();
+                    let text = String::from_utf8_lossy(&frame);
+                    for line in text.lines() {
+                        if let Some(data) = line.strip_prefix("data: ") {
+                            let ev: Value = serde_json::from_str(data).expect("event json");
+                            if ev["type"] == "sandbox"
+                                && ev["object"]["id"] == sb
+                                && ev["object"]["state"] == state
+                            {
+                                return ev;
+                            }
+                        }
+                    }
+                }
+            }
+        };
+        match tokio::time::timeout(limit, fut).await {
+            Ok(v) => v,
+            Err(_) => {
+                let (_, now) = self.get(&format!("/v1/sandboxes/{sb}")).await;
+                panic!("{sb} did not become {state} within {limit:?}; it is {now}")
+            }
+        }
     }
 
     pub fn kill9(&mut self) {

@@ -1,0 +1,482 @@
+//! The lifecycle: pause, suspend to a snapshot, resume, retention policies,
+//! events, and operations that survive a crash at any point. Real runsc.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{decode, TestServer};
+use serde_json::{json, Value};
+
+async fn op_ok(s: &TestServer, resp: (u16, Value)) -> Value {
+    let (st, op) = resp;
+    assert_eq!(st, 202, "{op}");
+    let done = s.wait_op(op["id"].as_str().unwrap()).await;
+    assert_eq!(done["status"], "succeeded", "{done}\n{}", s.log());
+    done
+}
+
+/// runsc processes of the sandbox that are still there.
+fn runsc_processes(sb: &str) -> Vec<(i32, String)> {
+    common::processes_mentioning(sb)
+        .into_iter()
+        .filter(|(_, args)| args.starts_with("runsc-sandbox") || args.starts_with("runsc-gofer"))
+        .collect()
+}
+
+#[tokio::test]
+async fn five_suspend_resume_cycles_keep_processes_files_env_and_output() {
+    let s = TestServer::start().await;
+    let sb = s
+        .create_with(json!({"template": "busybox", "env": {"KEPT": "yes"}}))
+        .await;
+    // A background process counting, whose output streams into one command session.
+    let (st, counter) = s
+        .post(
+            &format!("/v1/sandboxes/{sb}/commands"),
+            json!({"shell": "i=0; while true; do echo $i; i=$((i+1)); sleep 0.05; done"}),
+        )
+        .await;
+    assert_eq!(st, 201);
+    let counter = counter["id"].as_str().unwrap().to_string();
+
+    for cycle in 0..5 {
+        let cmd = s
+            .sh(
+                &sb,
+                &format!("echo cycle-{cycle} > /root/f{cycle}; echo $KEPT"),
+            )
+            .await;
+        assert_eq!(cmd["stdout"], "yes\n", "{cmd}");
+
+        op_ok(
+            &s,
+            s.post(&format!("/v1/sandboxes/{sb}/suspend"), json!({}))
+                .await,
+        )
+        .await;
+        let (_, v) = s.get(&format!("/v1/sandboxes/{sb}")).await;
+        assert_eq!(v["state"], "suspended");
+        assert!(v["cost"]["snapshot_bytes"].as_u64().unwrap() > 0, "{v}");
+        assert_eq!(v["cost"]["memory_bytes"], 0);
+        let left = runsc_processes(&sb);
+        assert!(
+            left.is_empty(),
+            "runsc processes of a suspended sandbox remain: {left:?}"
+        );
+        // Nothing runs in a suspended sandbox.
+        let (st, _) = s
+            .post(
+                &format!("/v1/sandboxes/{sb}/commands"),
+                json!({"argv": ["true"]}),
+            )
+            .await;
+        assert_eq!(st, 409);
+
+        op_ok(
+            &s,
+            s.post(&format!("/v1/sandboxes/{sb}/resume"), json!({}))
+                .await,
+        )
+        .await;
+        let (_, v) = s.get(&format!("/v1/sandboxes/{sb}")).await;
+        assert_eq!(v["state"], "running");
+        assert!(v["cost"]["memory_bytes"].as_u64().unwrap() > 0, "{v}");
+
+        let all: String = (0..=cycle).map(|k| format!("cycle-{k}\n")).collect();
+        let listing = (0..=cycle)
+            .map(|k| format!("/root/f{k}"))
+            .collect::<Vec<_>>()
+            .join(" ");
+        let cmd = s.sh(&sb, &format!("cat {listing}")).await;
+        assert_eq!(cmd["stdout"], all, "cycle {cycle}: {cmd}");
+    }
+
+    // The counter never stopped being the same process, and its session has every line.
+    let (_, c) = s
+        .get(&format!("/v1/sandboxes/{sb}/commands/{counter}"))
+        .await;
+    assert_eq!(c["state"], "running", "{c}");
+    let (st, _) = s
+        .post(
+            &format!("/v1/sandboxes/{sb}/commands/{counter}/signal"),
+            json!({"signal": "KILL"}),
+        )
+        .await;
+    assert_eq!(st, 200);
+    let (chunks, end) = s.output(&sb, &counter, "stream=stdout&follow=true").await;
+    let text = String::from_utf8(decode(&chunks, None)).unwrap();
+    let numbers: Vec<u64> = text.lines().map(|l| l.parse().unwrap()).collect();
+    assert!(numbers.len() > 10, "{numbers:?}");
+    assert_eq!(numbers, (0..numbers.len() as u64).collect::<Vec<_>>());
+    assert_eq!(end.unwrap()["result"]["signal"], 9);
+    s.destroy(&sb).await;
+}
+
+#[tokio::test]
+async fn pause_reports_memory_and_concurrent_requests_are_refused() {
+    let s = TestServer::start().await;
+    let sb = s.create("busybox").await;
+    let (st, pause) = s
+        .post(&format!("/v1/sandboxes/{sb}/pause"), json!({}))
+        .await;
+    assert_eq!(st, 202);
+    // A second lifecycle request while one is under way: 409 naming it.
+    let (st, v) = s
+        .post(&format!("/v1/sandboxes/{sb}/suspend"), json!({}))
+        .await;
+    if st == 409 {
+        assert!(
+            v["error"]["message"].as_str().unwrap().contains("paus"),
+            "{v}"
+        );
+    } else {
+        // The pause was already done: then suspend from paused is legal.
+        assert_eq!(st, 202, "{v}");
+        s.wait_op(v["id"].as_str().unwrap()).await;
+    }
+    s.wait_op(pause["id"].as_str().unwrap()).await;
+    let (_, v) = s.get(&format!("/v1/sandboxes/{sb}")).await;
+    if v["state"] == "paused" {
+        assert!(v["cost"]["memory_bytes"].as_u64().unwrap() > 0, "{v}");
+        op_ok(
+            &s,
+            s.post(&format!("/v1/sandboxes/{sb}/resume"), json!({}))
+                .await,
+        )
+        .await;
+    } else {
+        assert_eq!(v["state"], "suspended", "{v}");
+        op_ok(
+            &s,
+            s.post(&format!("/v1/sandboxes/{sb}/resume"), json!({}))
+                .await,
+        )
+        .await;
+    }
+    // Suspend from paused works too.
+    op_ok(
+        &s,
+        s.post(&format!("/v1/sandboxes/{sb}/pause"), json!({}))
+            .await,
+    )
+    .await;
+    op_ok(
+        &s,
+        s.post(&format!("/v1/sandboxes/{sb}/suspend"), json!({}))
+            .await,
+    )
+    .await;
+    // A destroy queues behind a running operation and always works.
+    let (st, resume) = s
+        .post(&format!("/v1/sandboxes/{sb}/resume"), json!({}))
+        .await;
+    assert_eq!(st, 202);
+    let (st, destroy) = s.delete(&format!("/v1/sandboxes/{sb}")).await;
+    assert_eq!(st, 202, "{destroy}");
+    // A second destroy is refused while the first is pending.
+    let (st, _) = s.delete(&format!("/v1/sandboxes/{sb}")).await;
+    assert_eq!(st, 409);
+    s.wait_op(resume["id"].as_str().unwrap()).await;
+    let done = s.wait_op(destroy["id"].as_str().unwrap()).await;
+    assert_eq!(done["status"], "succeeded", "{done}");
+    s.assert_nothing_left(&sb);
+}
+
+#[tokio::test]
+async fn cancel_a_pending_operation_and_refuse_a_running_one() {
+    let s = TestServer::start().await;
+    let sb = s.create("busybox").await;
+    // Suspend takes long enough that a destroy queued behind it is still pending.
+    let (st, suspend) = s
+        .post(&format!("/v1/sandboxes/{sb}/suspend"), json!({}))
+        .await;
+    assert_eq!(st, 202);
+    let (st, destroy) = s.delete(&format!("/v1/sandboxes/{sb}")).await;
+    assert_eq!(st, 202);
+    let destroy_id = destroy["id"].as_str().unwrap();
+    let (st, cancelled) = s
+        .post(&format!("/v1/operations/{destroy_id}/cancel"), json!({}))
+        .await;
+    assert_eq!(st, 200, "{cancelled}");
+    assert_eq!(cancelled["status"], "cancelled");
+    let suspend_id = suspend["id"].as_str().unwrap();
+    let (st, v) = s
+        .post(&format!("/v1/operations/{suspend_id}/cancel"), json!({}))
+        .await;
+    if st == 409 {
+        assert!(
+            v["error"]["message"].as_str().unwrap().contains("cannot")
+                || v["error"]["message"]
+                    .as_str()
+                    .unwrap()
+                    .contains("no longer"),
+            "{v}"
+        );
+    }
+    s.wait_op(suspend_id).await;
+    let (_, v) = s.get(&format!("/v1/sandboxes/{sb}")).await;
+    assert_eq!(
+        v["state"], "suspended",
+        "the cancelled destroy ran anyway: {v}"
+    );
+    s.destroy(&sb).await;
+}
+
+#[tokio::test]
+async fn ttl_destroys_at_expiry_and_keepalive_extends_it() {
+    let s = TestServer::start().await;
+    let sb = s
+        .create_with(json!({"template": "busybox", "ttl_seconds": 3}))
+        .await;
+    let (_, v) = s.get(&format!("/v1/sandboxes/{sb}")).await;
+    assert!(v["expires_at"].is_string(), "{v}");
+    let first = v["expires_at"].as_str().unwrap().to_string();
+    // Keepalive pushes the deadline out.
+    let (st, v) = s
+        .post(
+            &format!("/v1/sandboxes/{sb}/keepalive"),
+            json!({"ttl_seconds": 4}),
+        )
+        .await;
+    assert_eq!(st, 200, "{v}");
+    assert!(v["expires_at"].as_str().unwrap() > first.as_str(), "{v}");
+    let ev = s
+        .wait_state(&sb, "destroyed", Duration::from_secs(30))
+        .await;
+    assert!(ev["object"]["destroyed_at"].is_string());
+    s.assert_nothing_left(&sb);
+    let (_, ops) = s.get(&format!("/v1/operations?sandbox_id={sb}")).await;
+    let destroy = ops["operations"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|o| o["kind"] == "destroy")
+        .cloned()
+        .unwrap();
+    assert_eq!(destroy["status"], "succeeded");
+    // Bad lifetimes are refused.
+    let (st, _) = s
+        .post(
+            "/v1/sandboxes",
+            json!({"template": "busybox", "ttl_seconds": 0}),
+        )
+        .await;
+    assert_eq!(st, 400);
+    let (st, _) = s
+        .post(
+            "/v1/sandboxes",
+            json!({"template": "busybox", "on_idle": "destroy"}),
+        )
+        .await;
+    assert_eq!(st, 400);
+}
+
+#[tokio::test]
+async fn idle_timeout_never_fires_during_a_command() {
+    let s = TestServer::start().await;
+    let sb = s
+        .create_with(
+            json!({"template": "busybox", "idle_timeout_seconds": 2, "on_idle": "suspend"}),
+        )
+        .await;
+    // A command running longer than the idle timeout keeps the sandbox running.
+    let cmd = s.sh(&sb, "sleep 4; echo finished").await;
+    assert_eq!(cmd["stdout"], "finished\n");
+    let (_, v) = s.get(&format!("/v1/sandboxes/{sb}")).await;
+    assert_eq!(
+        v["state"], "running",
+        "suspended under a running command: {v}"
+    );
+    assert!(v["idle_expires_at"].is_string(), "{v}");
+    // Then, idle, it is suspended.
+    s.wait_state(&sb, "suspended", Duration::from_secs(30))
+        .await;
+    let (_, ops) = s.get(&format!("/v1/operations?sandbox_id={sb}")).await;
+    let suspend = ops["operations"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|o| o["kind"] == "suspend")
+        .cloned()
+        .unwrap();
+    assert_eq!(suspend["status"], "succeeded");
+    s.destroy(&sb).await;
+
+    // on_idle: destroy.
+    let sb = s
+        .create_with(
+            json!({"template": "busybox", "idle_timeout_seconds": 1, "on_idle": "destroy"}),
+        )
+        .await;
+    s.wait_state(&sb, "destroyed", Duration::from_secs(30))
+        .await;
+    s.assert_nothing_left(&sb);
+}
+
+#[tokio::test]
+async fn events_resume_from_last_event_id() {
+    let s = TestServer::start().await;
+    let sb = s.create("busybox").await;
+    let running = s.wait_state(&sb, "running", Duration::from_secs(10)).await;
+    let last_id = running["id"].as_i64().unwrap();
+    s.destroy(&sb).await;
+
+    // Reconnect with Last-Event-ID: exactly what came after, in order.
+    let mut resp = s
+        .req(reqwest::Method::GET, "/v1/events")
+        .header("last-event-id", last_id.to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut text = String::new();
+    let mut ids = Vec::new();
+    let mut states = Vec::new();
+    while !states.contains(&"destroyed".to_string()) {
+        let chunk = tokio::time::timeout(Duration::from_secs(10), resp.chunk())
+            .await
+            .expect("events in time")
+            .unwrap()
+            .expect("stream open");
+        text.push_str(&String::from_utf8_lossy(&chunk));
+        ids.clear();
+        states.clear();
+        for line in text.lines() {
+            if let Some(id) = line.strip_prefix("id: ") {
+                ids.push(id.parse::<i64>().unwrap());
+            }
+            if let Some(data) = line.strip_prefix("data: ") {
+                let ev: Value = serde_json::from_str(data).unwrap();
+                if ev["type"] == "sandbox" && ev["object"]["id"] == sb.as_str() {
+                    states.push(ev["object"]["state"].as_str().unwrap().to_string());
+                }
+            }
+        }
+    }
+    assert!(ids.iter().all(|i| *i > last_id), "{ids:?}");
+    assert!(ids.windows(2).all(|w| w[0] < w[1]), "{ids:?}");
+    assert_eq!(states, ["destroying", "destroyed"]);
+    let (st, _) = s
+        .req(reqwest::Method::GET, "/v1/events")
+        .header("last-event-id", "nope")
+        .send()
+        .await
+        .map(|r| (r.status().as_u16(), ()))
+        .unwrap();
+    assert_eq!(st, 400);
+}
+
+#[tokio::test]
+async fn destroyed_records_are_purged_after_retention() {
+    let s = TestServer::start_with(&["--retention-seconds", "1"]).await;
+    let sb = s.create("busybox").await;
+    let cmd = s.sh(&sb, "echo kept-until-purge").await;
+    let cid = cmd["id"].as_str().unwrap().to_string();
+    s.destroy(&sb).await;
+    // Right after destroy the records and output are still there.
+    let (st, _) = s.get(&format!("/v1/sandboxes/{sb}/commands/{cid}")).await;
+    assert_eq!(st, 200);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let (st, _) = s.get(&format!("/v1/sandboxes/{sb}")).await;
+        if st == 404 {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "never purged");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(!s.data_dir().join("outputs").join(&sb).exists());
+}
+
+/// Crashes the server at `failpoint` during the operation `start` begins,
+/// restarts it, and checks that everything ended in a real state.
+async fn crash_during(failpoint: &str, prepare: &str, start: &str) {
+    let mut s = TestServer::start().await;
+    let sb = s.create("busybox").await;
+    let finished = s.sh(&sb, "echo done-before-the-crash").await;
+    let finished_id = finished["id"].as_str().unwrap().to_string();
+    if !prepare.is_empty() {
+        op_ok(
+            &s,
+            s.post(&format!("/v1/sandboxes/{sb}/{prepare}"), json!({}))
+                .await,
+        )
+        .await;
+    }
+    // Restart with the failpoint armed, then ask for the operation.
+    s.kill9();
+    s.env = vec![("SPACE_FAILPOINT".into(), failpoint.into())];
+    s.restart();
+    let (st, op) = if start == "destroy" {
+        s.delete(&format!("/v1/sandboxes/{sb}")).await
+    } else if start == "create" {
+        s.post("/v1/sandboxes", json!({"template": "busybox"}))
+            .await
+    } else {
+        s.post(&format!("/v1/sandboxes/{sb}/{start}"), json!({}))
+            .await
+    };
+    assert_eq!(st, 202, "{op}");
+    let op_id = op["id"].as_str().unwrap().to_string();
+    let target = op["sandbox_id"].as_str().unwrap().to_string();
+    s.wait_exit();
+    s.env.clear();
+    s.restart();
+
+    let op = s.wait_op(&op_id).await;
+    let status = op["status"].as_str().unwrap();
+    assert!(status == "succeeded" || status == "failed", "{op}");
+    let (_, v) = s.get(&format!("/v1/sandboxes/{target}")).await;
+    let state = v["state"].as_str().unwrap();
+    assert!(
+        ["running", "paused", "suspended", "failed", "destroyed"].contains(&state),
+        "{failpoint}: left {state}: {v}"
+    );
+    // No completed output is lost.
+    let (chunks, end) = s.output(&sb, &finished_id, "").await;
+    assert_eq!(decode(&chunks, None), b"done-before-the-crash\n");
+    assert_eq!(end.unwrap()["result"]["exit_code"], 0);
+    // The sandbox still works, or can at least be destroyed cleanly.
+    if state == "running" {
+        assert_eq!(s.sh(&target, "echo alive").await["stdout"], "alive\n");
+    }
+    for id in [&sb, &target] {
+        let (_, v) = s.get(&format!("/v1/sandboxes/{id}")).await;
+        if v["state"] != "destroyed" {
+            s.destroy(id).await;
+        } else {
+            s.assert_nothing_left(id);
+        }
+    }
+}
+
+#[tokio::test]
+async fn crash_during_create() {
+    crash_during("create:after_boot", "", "create").await;
+}
+
+#[tokio::test]
+async fn crash_during_pause() {
+    crash_during("pause:after_runtime", "", "pause").await;
+}
+
+#[tokio::test]
+async fn crash_during_resume() {
+    crash_during("resume:after_restore", "suspend", "resume").await;
+}
+
+#[tokio::test]
+async fn crash_during_suspend() {
+    crash_during("suspend:after_checkpoint", "", "suspend").await;
+}
+
+#[tokio::test]
+async fn crash_during_suspend_before_the_checkpoint() {
+    crash_during("suspend:before_checkpoint", "", "suspend").await;
+}
+
+#[tokio::test]
+async fn crash_during_destroy() {
+    crash_during("destroy:before_stop", "", "destroy").await;
+}
