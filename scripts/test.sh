@@ -15,4 +15,4 @@ export SPACE_TEST_TEMPLATES="$PWD/target/space-test-templates"
 target/debug/space admin prepare-template busybox --templates-dir "$SPACE_TEST_TEMPLATES" --data-dir /nonexistent
 target/debug/space admin prepare-template debian --templates-dir "$SPACE_TEST_TEMPLATES" --data-dir /nonexistent
 
-cargo test --workspace -- --test-threads 4
+cargo test --workspace --no-fail-fast -- --test-threads 4

@@ -207,14 +207,21 @@ async fn a_mebibyte_of_stdout_arrives_complete_and_replays_from_any_offset() {
         }
     }
 
-    // The combined view: both streams in arrival order, stderr last here.
+    // The combined view: both streams interleaved in the order the agent read them
+    // (two pipes: that order is not the order the shell wrote in), each stream intact,
+    // and any offset into it replays exactly.
     let (chunks, _) = s.output(&sb, cid, "").await;
+    assert_eq!(decode(&chunks, Some("stdout")), expected);
+    assert_eq!(decode(&chunks, Some("stderr")), b"done\n");
     let all = decode(&chunks, None);
-    assert_eq!(&all[..expected.len()], &expected[..]);
-    assert_eq!(&all[expected.len()..], b"done\n");
-    let (chunks, _) = s
-        .output(&sb, cid, &format!("offset={}", expected.len() + 2))
-        .await;
+    assert_eq!(all.len(), expected.len() + 5);
+    let err_at = chunks
+        .iter()
+        .find(|c| c["stream"] == "stderr")
+        .and_then(|c| c["offset"].as_u64())
+        .unwrap() as usize;
+    let (chunks, _) = s.output(&sb, cid, &format!("offset={}", err_at + 2)).await;
+    assert_eq!(decode(&chunks, None), &all[err_at + 2..]);
     assert_eq!(decode(&chunks, Some("stderr")), b"ne\n");
     s.destroy(&sb).await;
 }

@@ -296,7 +296,9 @@ impl Service {
     fn finalize_command(&self, sandbox_id: &str, id: &str, outcome: Outcome) {
         let reg = &self.0.commands;
         let _guard = lock(&reg.finalize);
-        let live = lock(&reg.live).remove(id);
+        // Taken out of the live map only after the result is stored (below), so a
+        // waiter never finds neither a live command nor an ended one.
+        let live = lock(&reg.live).get(id).cloned();
         let progress = live
             .as_ref()
             .map(|c| *c.progress.borrow())
@@ -336,6 +338,7 @@ impl Service {
                 tracing::info!(sandbox = %sandbox_id, command = %id, state = %cmd.state, "command ended");
             }
         }
+        lock(&reg.live).remove(id);
         if let Some(ch) = live {
             ch.progress.send_modify(|p| p.done = true);
         }
@@ -382,12 +385,16 @@ impl Service {
         id: &str,
         wait: Option<Duration>,
     ) -> Result<Command, ServiceError> {
-        let cmd = self.get_command(sandbox_id, id)?;
+        // Read the row and the live entry together, against a concurrent finalize.
+        let (cmd, live) = {
+            let _guard = lock(&self.0.commands.finalize);
+            let cmd = self.get_command(sandbox_id, id)?;
+            (cmd, lock(&self.0.commands.live).get(id).cloned())
+        };
         self.touch(sandbox_id);
         if cmd.state.is_terminal() {
             return Ok(cmd);
         }
-        let live = lock(&self.0.commands.live).get(id).cloned();
         if let Some(ch) = live {
             let mut rx = ch.progress.subscribe();
             let done = rx.wait_for(|p| p.done);
