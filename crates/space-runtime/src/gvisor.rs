@@ -350,7 +350,10 @@ impl Runtime for GvisorRuntime {
             match self.status(id).await? {
                 RuntimeStatus::Missing => break,
                 RuntimeStatus::Stopped => {
-                    self.run(&["delete", id]).await?;
+                    // runsc may call it stopped a moment before its sandbox process agrees.
+                    if self.run(&["delete", id]).await.is_err() {
+                        self.run(&["delete", "--force", id]).await?;
+                    }
                     break;
                 }
                 _ if start.elapsed() > Duration::from_secs(10) => {

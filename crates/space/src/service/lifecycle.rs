@@ -212,9 +212,10 @@ impl Service {
             )?;
         }
         failpoint("destroy:before_stop");
+        // Record why commands end before their sessions notice the sandbox going.
+        self.lose_commands(id, "the sandbox was destroyed");
         handle.closed.cancel();
         handle.stop_listener();
-        self.lose_commands(id, "the sandbox was destroyed");
         let dir = self.sandbox_dir(id);
         let result = self.0.runtime.destroy(id, &dir).await;
         if let Err(e) = result {

@@ -553,6 +553,7 @@ impl Service {
 
     /// Marks a sandbox failed and releases everything it holds.
     async fn fail_sandbox(&self, handle: &Arc<SandboxHandle>, reason: &str) {
+        self.lose_commands(&handle.id, &format!("the sandbox failed: {reason}"));
         handle.closed.cancel();
         handle.stop_listener();
         if let Err(e) = self
@@ -563,7 +564,6 @@ impl Service {
         {
             tracing::error!(sandbox = %handle.id, error = %error_chain(&e), "cleaning up a failed sandbox failed");
         }
-        self.lose_commands(&handle.id, "the sandbox failed");
         if let Ok(mut rec) = self.record(&handle.id) {
             if let Ok(next) = transition(rec.sandbox.state, SandboxEvent::Failed) {
                 rec.sandbox.state = next;
