@@ -383,7 +383,11 @@ async fn events(c: &Client, after: Option<i64>) -> anyhow::Result<i32> {
                         let frame: Vec<u8> = buf.drain(..pos + 2).collect();
                         for line in String::from_utf8_lossy(&frame).lines() {
                             if let Some(data) = line.strip_prefix("data: ") {
-                                println!("{data}");
+                                // A closed stdout (`space events | head`) ends us quietly.
+                                let mut out = std::io::stdout().lock();
+                                if writeln!(out, "{data}").and_then(|_| out.flush()).is_err() {
+                                    return Ok(0);
+                                }
                                 if let Ok(v) = serde_json::from_str::<Value>(data) {
                                     last = v.get("id").and_then(Value::as_i64).or(last);
                                 }

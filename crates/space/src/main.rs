@@ -98,6 +98,10 @@ struct ServeArgs {
     /// How long records and command output of destroyed sandboxes are kept.
     #[arg(long, default_value_t = 7 * 24 * 3600)]
     retention_seconds: u64,
+    /// One deadline (seconds) for every operation instead of the per-kind defaults
+    /// (create 1200, suspend 300, resume 180, destroy 120, pause 60).
+    #[arg(long)]
+    operation_timeout_seconds: Option<u64>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -209,6 +213,9 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             pids: Some(args.default_pids),
         },
         retention: std::time::Duration::from_secs(args.retention_seconds),
+        operation_timeout: args
+            .operation_timeout_seconds
+            .map(std::time::Duration::from_secs),
     };
     let service = service::Service::start(cfg, Arc::new(runtime))
         .await

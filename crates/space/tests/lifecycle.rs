@@ -480,3 +480,26 @@ async fn crash_during_suspend_before_the_checkpoint() {
 async fn crash_during_destroy() {
     crash_during("destroy:before_stop", "", "destroy").await;
 }
+
+#[tokio::test]
+async fn a_stuck_operation_times_out_and_destroy_still_works() {
+    let mut s = TestServer::start_with(&["--operation-timeout-seconds", "3"]).await;
+    let sb = s.create("busybox").await;
+    s.kill9();
+    s.env = vec![("SPACE_FAILPOINT".into(), "pause:hang".into())];
+    s.restart();
+    let (st, op) = s
+        .post(&format!("/v1/sandboxes/{sb}/pause"), json!({}))
+        .await;
+    assert_eq!(st, 202);
+    let op = s.wait_op(op["id"].as_str().unwrap()).await;
+    assert_eq!(op["status"], "failed", "{op}");
+    assert_eq!(op["error"]["code"], "timed_out", "{op}");
+    let (_, v) = s.get(&format!("/v1/sandboxes/{sb}")).await;
+    assert_eq!(v["state"], "failed", "{v}");
+    assert!(
+        v["failure_reason"].as_str().unwrap().contains("pause"),
+        "{v}"
+    );
+    s.destroy(&sb).await;
+}

@@ -14,8 +14,8 @@ use space_core::{now_rfc3339, transition, SandboxEvent};
 use tokio_util::sync::CancellationToken;
 
 use super::{
-    agent, error_chain, failpoint, internal, lock, new_operation, Result, SandboxHandle, Service,
-    ServiceError,
+    agent, error_chain, failpoint, failpoint_hang, internal, lock, new_operation, Result,
+    SandboxHandle, Service, ServiceError,
 };
 
 /// How long the agent may take to drop its connection before a checkpoint.
@@ -53,6 +53,14 @@ fn runtime_failed(e: &dyn std::error::Error) -> ApiError {
 }
 
 impl Service {
+    /// The deadline of an operation kind on this server.
+    pub(crate) fn deadline(&self, kind: OperationKind) -> Duration {
+        self.0
+            .cfg
+            .operation_timeout
+            .unwrap_or_else(|| deadline(kind))
+    }
+
     /// `DELETE /v1/sandboxes/{id}`.
     pub fn destroy_sandbox(&self, id: &str) -> Result<Operation> {
         self.request_lifecycle(id, OperationKind::Destroy, None)
@@ -138,7 +146,7 @@ impl Service {
                 )),
             }
         };
-        let limit = deadline(kind);
+        let limit = self.deadline(kind);
         let result = match tokio::time::timeout(limit, steps).await {
             Ok(r) => r,
             Err(_) => {
@@ -239,6 +247,7 @@ impl Service {
         let id = &handle.id;
         self.begin(id, op_id, SandboxEvent::PauseRequested, "pausing")?;
         failpoint("pause:before_runtime");
+        failpoint_hang("pause:hang").await;
         let paused = self.0.runtime.pause(id).await;
         failpoint("pause:after_runtime");
         match paused {

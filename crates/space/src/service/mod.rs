@@ -49,6 +49,8 @@ pub struct Config {
     pub default_resources: Resources,
     /// How long records of destroyed sandboxes (and their command output) are kept.
     pub retention: Duration,
+    /// One deadline for every operation kind instead of the built-in ones.
+    pub operation_timeout: Option<Duration>,
 }
 
 /// What went wrong, in terms an API caller can act on.
@@ -344,7 +346,7 @@ impl Service {
             return; // Cancelled: the canceller recorded everything.
         }
         let _lifecycle = handle.lifecycle.lock().await;
-        let limit = lifecycle::deadline(OperationKind::Create);
+        let limit = self.deadline(OperationKind::Create);
         let result = match tokio::time::timeout(limit, self.create_steps(&handle, &op_id)).await {
             Ok(r) => r,
             Err(_) => Err(ApiError::new(
@@ -663,6 +665,15 @@ pub(crate) fn failpoint(name: &str) {
         tracing::warn!(failpoint = name, "failpoint reached: killing the server");
         // SAFETY: plain syscalls on our own pid.
         unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+    }
+}
+
+/// Test hook: with `SPACE_FAILPOINT=<name>` the operation hangs here forever,
+/// so tests can see a stuck operation reach its deadline.
+pub(crate) async fn failpoint_hang(name: &str) {
+    if std::env::var("SPACE_FAILPOINT").is_ok_and(|v| v == name) {
+        tracing::warn!(failpoint = name, "failpoint reached: hanging");
+        std::future::pending::<()>().await;
     }
 }
 
