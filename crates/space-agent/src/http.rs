@@ -414,6 +414,8 @@ async fn read_host_frames(
                     }
                 }
                 Frame::StdinEof => cmd.close_stdin(),
+                // Terminals come with the PTY support; until then a resize has nothing to act on.
+                Frame::Resize(_) => {}
                 Frame::Done => {
                     // Only an exited command can be forgotten; the host sends
                     // Done after the Exit frame, so anything else is ignored.

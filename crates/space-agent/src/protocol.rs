@@ -15,7 +15,7 @@
 //! - `POST /v1/commands/{id}/attach?stdout=N&stderr=M` — full duplex. The response body is a
 //!   stream of agent frames ([`Frame::Stdout`], [`Frame::Stderr`], then one [`Frame::Exit`]),
 //!   starting at the given offsets; the request body is a stream of host frames
-//!   ([`Frame::Ack`], [`Frame::Stdin`], [`Frame::StdinEof`], [`Frame::Done`]).
+//!   ([`Frame::Ack`], [`Frame::Stdin`], [`Frame::StdinEof`], [`Frame::Done`], [`Frame::Resize`]).
 //! - `POST /v1/commands/{id}/signal` with a [`SignalRequest`]: signals the command's process group.
 //! - `DELETE /v1/commands/{id}`: forget an exited command (same as [`Frame::Done`]).
 //! - `POST /v1/quiesce`: drop the host connection now (a checkpoint cannot save an open
@@ -98,6 +98,19 @@ pub struct SpawnRequest {
     /// Give the command a stdin pipe fed by [`Frame::Stdin`]; `/dev/null` otherwise.
     #[serde(default)]
     pub stdin: bool,
+    /// Run the command on a new pseudo-terminal of this size (it becomes the
+    /// controlling terminal of the command's session). Its output, stdout and
+    /// stderr together, comes as [`Frame::Stdout`]; [`Frame::Stdin`] writes to it
+    /// and [`Frame::Resize`] resizes it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pty: Option<PtySize>,
+}
+
+/// Rows and columns of a pseudo-terminal.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+pub struct PtySize {
+    pub rows: u16,
+    pub cols: u16,
 }
 
 /// Why a [`SpawnRequest`] is refused before anything is started.
@@ -268,6 +281,8 @@ pub enum Frame {
     StdinEof,
     /// Host → agent: the result is stored; forget the command.
     Done,
+    /// Host → agent: resize the command's pseudo-terminal (ignored without one).
+    Resize(PtySize),
 }
 
 const T_STDOUT: u8 = 1;
@@ -277,6 +292,7 @@ const T_ACK: u8 = 16;
 const T_STDIN: u8 = 17;
 const T_STDIN_EOF: u8 = 18;
 const T_DONE: u8 = 19;
+const T_RESIZE: u8 = 20;
 
 /// A frame that could not be decoded. The connection that sent it is not trusted further.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -320,6 +336,11 @@ impl Frame {
             }
             Frame::StdinEof => header(out, T_STDIN_EOF, 0),
             Frame::Done => header(out, T_DONE, 0),
+            Frame::Resize(size) => {
+                header(out, T_RESIZE, 4);
+                out.put_u16(size.rows);
+                out.put_u16(size.cols);
+            }
         }
     }
 
@@ -368,7 +389,7 @@ impl FrameDecoder {
         let len = u32::from_be_bytes([self.buf[1], self.buf[2], self.buf[3], self.buf[4]]) as usize;
         if !matches!(
             t,
-            T_STDOUT | T_STDERR | T_EXIT | T_ACK | T_STDIN | T_STDIN_EOF | T_DONE
+            T_STDOUT | T_STDERR | T_EXIT | T_ACK | T_STDIN | T_STDIN_EOF | T_DONE | T_RESIZE
         ) {
             return Err(FrameError::UnknownType(t));
         }
@@ -411,6 +432,15 @@ impl FrameDecoder {
                 }
             }
             T_STDIN => Frame::Stdin(payload),
+            T_RESIZE => {
+                if payload.len() != 4 {
+                    return Err(FrameError::Malformed(t));
+                }
+                Frame::Resize(PtySize {
+                    rows: payload.get_u16(),
+                    cols: payload.get_u16(),
+                })
+            }
             T_STDIN_EOF | T_DONE if !payload.is_empty() => return Err(FrameError::Malformed(t)),
             T_STDIN_EOF => Frame::StdinEof,
             _ => Frame::Done,
@@ -485,6 +515,7 @@ mod tests {
         roundtrip(Frame::Stdin(Bytes::from_static(b"x")));
         roundtrip(Frame::StdinEof);
         roundtrip(Frame::Done);
+        roundtrip(Frame::Resize(PtySize { rows: 24, cols: 80 }));
     }
 
     #[test]
@@ -520,6 +551,7 @@ mod tests {
             user: None,
             timeout_ms: None,
             stdin: false,
+            pty: None,
         };
         assert_eq!(ok.validate(), Ok(()));
         let mut bad = ok.clone();

@@ -148,6 +148,7 @@ impl Service {
             user: user.clone(),
             timeout_ms: (timeout > 0).then(|| timeout * 1000),
             stdin: false,
+            pty: None,
         };
         spawn
             .validate()
