@@ -13,3 +13,4 @@ export SPACE_TEST_TEMPLATES="$PWD/target/space-test-templates"
 target/release/space admin prepare-template busybox --templates-dir "$SPACE_TEST_TEMPLATES" --data-dir /nonexistent
 
 cargo bench -p space --bench core
+cargo bench -p space --bench lifecycle

@@ -1,0 +1,374 @@
+//! Lifecycle benchmark: our API against raw `runsc` doing the same work, in one run.
+//!
+//! 1. pause + resume: `POST .../pause` + `POST .../resume`, each long-polled
+//!    until its operation succeeded, against `runsc pause` + `runsc resume`.
+//! 2. suspend and resume from the snapshot: `POST .../suspend` and
+//!    `POST .../resume` until they succeeded (the resume includes the agent
+//!    dialing back in), against `runsc checkpoint` until the container is
+//!    stopped + `runsc delete`, and `runsc restore --detach` until `runsc state`
+//!    says running. Extra: resume-to-first-exec, the resume plus one `true`
+//!    (ours through the API, raw a `runsc exec`).
+//! 3. snapshot size: our `cost.snapshot_bytes` against the bytes of the raw
+//!    checkpoint image.
+//!
+//! The raw container runs the OCI bundle our server wrote for our sandbox,
+//! with the global flags our gVisor driver uses. Run it with `scripts/bench.sh`
+//! (which builds the agent and the busybox template first), or
+//! `cargo bench -p space --bench lifecycle` once they exist. Timings are
+//! reported, never asserted; anything that functionally breaks panics.
+
+#[path = "../tests/common/mod.rs"]
+mod common;
+#[path = "rawsc/mod.rs"]
+mod rawsc;
+
+use std::time::{Duration, Instant};
+
+use common::TestServer;
+use rawsc::{assert_no_runsc_left, dir_size, machine_facts, runsc_processes, Raw};
+use serde_json::{json, Value};
+
+/// Timed iterations of each cycle, per side.
+const N: usize = 5;
+/// Untimed iterations of each cycle, per side, before the timed ones.
+const WARMUPS: usize = 1;
+/// Longest one of our operations may take before the bench gives up.
+const OP_LIMIT: Duration = Duration::from_secs(300);
+
+/// Timings of one side.
+#[derive(Default)]
+struct Side {
+    pause: Vec<Duration>,
+    resume: Vec<Duration>,
+    pause_resume: Vec<Duration>,
+    suspend: Vec<Duration>,
+    restore: Vec<Duration>,
+    restore_exec: Vec<Duration>,
+    snapshot_bytes: Vec<u64>,
+}
+
+fn main() {
+    let templates = common::templates_dir();
+    assert!(
+        templates.join("busybox").join("template.json").is_file(),
+        "no busybox template in {}; run scripts/bench.sh (or `space admin prepare-template busybox --templates-dir {}`)",
+        templates.display(),
+        templates.display()
+    );
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+
+    let facts = machine_facts();
+    eprintln!("bench: {facts}");
+    let server = rt.block_on(TestServer::start());
+
+    // Our sandbox; its OCI bundle is the one the raw side runs.
+    let ours = rt.block_on(server.create("busybox"));
+    let our_bundle = server
+        .data_dir()
+        .join("sandboxes")
+        .join(&ours)
+        .join("bundle");
+    let our_snapshot = server.data_dir().join("snapshots").join(&ours);
+    let config: Value = serde_json::from_slice(
+        &std::fs::read(our_bundle.join("config.json")).expect("reading our config.json"),
+    )
+    .expect("our config.json is JSON");
+    let raw = Raw::new(
+        &config,
+        &server.data_dir().join("agent").join("space-agent"),
+    );
+    let rid = raw.id("main");
+    raw.prepare(&rid);
+    raw.create_start(&rid);
+
+    rt.block_on(check_ours(&server, &ours));
+    check_raw(&raw, &rid);
+
+    let mut o = Side::default();
+    let mut r = Side::default();
+    // Things that did not break the bench but look wrong; printed with the table.
+    let mut anomalies: Vec<String> = Vec::new();
+
+    // 1. pause + resume, interleaved so that background load hits both sides alike.
+    eprintln!("bench: pause+resume x{N} (each side, after {WARMUPS} warm-up)");
+    for i in 0..WARMUPS + N {
+        let p = rt.block_on(timed_op(&server, &ours, "pause"));
+        rt.block_on(expect_state(&server, &ours, "paused"));
+        let q = rt.block_on(timed_op(&server, &ours, "resume"));
+        rt.block_on(expect_state(&server, &ours, "running"));
+        rt.block_on(check_ours(&server, &ours));
+
+        let rp = raw.pause(&rid);
+        assert_eq!(raw.state(&rid).as_deref(), Some("paused"));
+        let rq = raw.resume(&rid);
+        assert_eq!(raw.state(&rid).as_deref(), Some("running"));
+        check_raw(&raw, &rid);
+
+        eprintln!(
+            "bench: pause+resume {i}: ours {:.1} ms, raw {:.1} ms",
+            ms(p + q),
+            ms(rp + rq)
+        );
+        if i >= WARMUPS {
+            o.pause.push(p);
+            o.resume.push(q);
+            o.pause_resume.push(p + q);
+            r.pause.push(rp);
+            r.resume.push(rq);
+            r.pause_resume.push(rp + rq);
+        }
+    }
+
+    // 2 and 3. suspend, snapshot size, resume from the snapshot, first exec.
+    eprintln!("bench: suspend + resume from snapshot x{N} (each side, after {WARMUPS} warm-up)");
+    for i in 0..WARMUPS + N {
+        // Ours.
+        let s = rt.block_on(timed_op(&server, &ours, "suspend"));
+        let sb = rt.block_on(expect_state(&server, &ours, "suspended"));
+        let bytes = sb["cost"]["snapshot_bytes"]
+            .as_u64()
+            .unwrap_or_else(|| panic!("suspended without cost.snapshot_bytes: {sb}"));
+        assert!(bytes > 0, "empty snapshot: {sb}");
+        // Documented: a suspended sandbox holds no memory.
+        assert_eq!(sb["cost"]["memory_bytes"], 0, "{sb}");
+        let on_disk = dir_size(&our_snapshot);
+        if on_disk != bytes {
+            anomalies.push(format!(
+                "iteration {i}: cost.snapshot_bytes {bytes} but {} holds {on_disk} bytes",
+                our_snapshot.display()
+            ));
+        }
+        let needle = format!("--bundle={}", our_bundle.display());
+        let left = runsc_processes(|a| a == needle);
+        assert!(
+            left.is_empty(),
+            "runsc processes of suspended {ours} remain: {left:?}"
+        );
+        let t0 = Instant::now();
+        let q = rt.block_on(timed_op(&server, &ours, "resume"));
+        rt.block_on(run_true(&server, &ours));
+        let qx = t0.elapsed();
+        let sb = rt.block_on(expect_state(&server, &ours, "running"));
+        if !sb["cost"]["snapshot_bytes"].is_null() {
+            anomalies.push(format!(
+                "resumed sandbox still reports cost.snapshot_bytes {}",
+                sb["cost"]["snapshot_bytes"]
+            ));
+        }
+        if our_snapshot.exists() {
+            anomalies.push(format!(
+                "iteration {i}: {} still exists after the resume",
+                our_snapshot.display()
+            ));
+        }
+        rt.block_on(check_ours(&server, &ours));
+
+        // Raw.
+        let rs = raw.checkpoint(&rid);
+        assert_eq!(raw.state(&rid), None, "raw container left after checkpoint");
+        let rbytes = dir_size(&raw.image(&rid));
+        assert!(rbytes > 0, "empty raw checkpoint image");
+        let rq = raw.restore(&rid);
+        let (rx, _) = raw.exec(&rid, &["/bin/true"]);
+        check_raw(&raw, &rid);
+
+        eprintln!(
+            "bench: suspend/resume {i}: ours {:.1}/{:.1} ms, raw {:.1}/{:.1} ms",
+            ms(s),
+            ms(q),
+            ms(rs),
+            ms(rq)
+        );
+        if i >= WARMUPS {
+            o.suspend.push(s);
+            o.restore.push(q);
+            o.restore_exec.push(qx);
+            o.snapshot_bytes.push(bytes);
+            r.suspend.push(rs);
+            r.restore.push(rq);
+            r.restore_exec.push(rq + rx);
+            r.snapshot_bytes.push(rbytes);
+        }
+    }
+
+    // Clean up, then check that nothing of ours or the raw side is left running.
+    rt.block_on(server.destroy(&ours));
+    raw.delete(&rid);
+    let server_root = server.runsc_root();
+    let raw_root = raw.root.clone();
+    let data_dir = server.data_dir().to_path_buf();
+    drop(raw);
+    drop(server);
+    assert_no_runsc_left(&[&server_root, &raw_root]);
+    for d in [&raw_root, &data_dir] {
+        assert!(!d.exists(), "{} remains", d.display());
+    }
+    for c in rawsc::cgroup_dirs() {
+        let cg = c.join(rawsc::RAW_CGROUP_PARENT).join(&rid);
+        assert!(!cg.exists(), "raw cgroup {} remains", cg.display());
+    }
+
+    // The table.
+    let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
+    println!();
+    println!("space lifecycle benchmark: ours vs raw runsc, same bundle, same run");
+    println!("machine: {facts}");
+    println!(
+        "{:<38} {:<7} {:>12} {:>14} {:>8}",
+        "metric", "stat", "ours", "raw runsc", "ratio"
+    );
+    let row = |metric: &str, stat: &str, ours: f64, raw: f64, unit: &str| {
+        println!(
+            "{:<38} {:<7} {:>12} {:>14} {:>7.2}x",
+            metric,
+            stat,
+            format!("{ours:.1} {unit}"),
+            format!("{raw:.1} {unit}"),
+            ours / raw
+        );
+    };
+    let times = |metric: String, ours: &[Duration], raw: &[Duration]| {
+        row(&metric, "median", ms(median(ours)), ms(median(raw)), "ms");
+        row(&metric, "max", ms(max(ours)), ms(max(raw)), "ms");
+    };
+    times(
+        format!("pause+resume (n={N})"),
+        &o.pause_resume,
+        &r.pause_resume,
+    );
+    row(
+        "  pause alone (extra)",
+        "median",
+        ms(median(&o.pause)),
+        ms(median(&r.pause)),
+        "ms",
+    );
+    row(
+        "  resume alone (extra)",
+        "median",
+        ms(median(&o.resume)),
+        ms(median(&r.resume)),
+        "ms",
+    );
+    times(format!("suspend (n={N})"), &o.suspend, &r.suspend);
+    times(
+        format!("resume from snapshot (n={N})"),
+        &o.restore,
+        &r.restore,
+    );
+    times(
+        "resume-to-first-exec (extra)".into(),
+        &o.restore_exec,
+        &r.restore_exec,
+    );
+    let size = format!("snapshot size (n={N})");
+    row(
+        &size,
+        "median",
+        mib(median(&o.snapshot_bytes)),
+        mib(median(&r.snapshot_bytes)),
+        "MiB",
+    );
+    row(
+        &size,
+        "max",
+        mib(max(&o.snapshot_bytes)),
+        mib(max(&r.snapshot_bytes)),
+        "MiB",
+    );
+    println!(
+        "notes: ratio = ours / raw; {WARMUPS} untimed warm-up per cycle and side; `echo ok` \
+         checked on both sides after every resume. ours = POST + long-poll of the operation \
+         until succeeded; suspend also makes the agent drop its host connection and waits for \
+         the runsc processes to exit, resume from snapshot also waits for the agent to dial \
+         back in. raw suspend = checkpoint + state polls until stopped + delete; raw resume = \
+         restore --detach + state polls until running; raw first exec = a whole `runsc exec \
+         /bin/true`. The raw agent has no host to dial and retries."
+    );
+    if anomalies.is_empty() {
+        println!("anomalies: none");
+    } else {
+        for a in &anomalies {
+            println!("anomaly: {a}");
+        }
+    }
+}
+
+/// `POST /v1/sandboxes/{sb}/{action}` and long-poll until the operation succeeded.
+async fn timed_op(s: &TestServer, sb: &str, action: &str) -> Duration {
+    let start = Instant::now();
+    let (status, op) = s
+        .call(
+            reqwest::Method::POST,
+            &format!("/v1/sandboxes/{sb}/{action}"),
+            None,
+        )
+        .await;
+    assert_eq!(status, 202, "{action}: {op}");
+    let op_id = op["id"].as_str().expect("operation id").to_string();
+    loop {
+        let (status, op) = s.get(&format!("/v1/operations/{op_id}?wait=30s")).await;
+        assert_eq!(status, 200, "{op}");
+        match op["status"].as_str().unwrap_or_default() {
+            "succeeded" => return start.elapsed(),
+            "failed" | "cancelled" => panic!("{action} of {sb} failed: {op}\n{}", s.log()),
+            _ => assert!(
+                start.elapsed() < OP_LIMIT,
+                "{action} of {sb} did not end: {op}"
+            ),
+        }
+    }
+}
+
+/// The sandbox object, which must be in `state`.
+async fn expect_state(s: &TestServer, sb: &str, state: &str) -> Value {
+    let (status, v) = s.get(&format!("/v1/sandboxes/{sb}")).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["state"], state, "{v}");
+    v
+}
+
+/// One `true` through our API.
+async fn run_true(s: &TestServer, sb: &str) {
+    let cmd = s.run(sb, &["true"]).await;
+    assert_eq!(cmd["state"], "exited", "{cmd}");
+    assert_eq!(cmd["result"]["exit_code"], 0, "{cmd}");
+}
+
+/// Our sandbox still runs commands: `echo ok` through the API.
+async fn check_ours(s: &TestServer, sb: &str) {
+    let (status, cmd) = s
+        .post(
+            &format!("/v1/sandboxes/{sb}/commands"),
+            json!({ "argv": ["echo", "ok"], "wait": true }),
+        )
+        .await;
+    assert_eq!(status, 201, "{cmd}");
+    assert_eq!(cmd["result"]["exit_code"], 0, "{cmd}");
+    assert_eq!(cmd["stdout"], "ok\n", "{cmd}");
+}
+
+/// The raw container still runs commands: `runsc exec echo ok`.
+fn check_raw(raw: &Raw, id: &str) {
+    let (_, out) = raw.exec(id, &["/bin/echo", "ok"]);
+    assert_eq!(out, "ok\n", "raw {id}");
+}
+
+/// Lower median (nearest rank).
+fn median<T: Ord + Copy>(v: &[T]) -> T {
+    let mut v = v.to_vec();
+    v.sort();
+    v[(v.len() - 1) / 2]
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
+}
+
+fn max<T: Ord + Copy>(v: &[T]) -> T {
+    *v.iter().max().expect("samples")
+}
