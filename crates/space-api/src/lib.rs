@@ -317,6 +317,15 @@ pub struct Command {
     pub argv: Vec<String>,
     pub cwd: Option<String>,
     pub user: Option<String>,
+    /// Whether it takes input through `POST …/stdin` or the attach WebSocket.
+    #[serde(default)]
+    pub stdin: bool,
+    /// The pseudo-terminal it runs on, if any.
+    #[serde(default)]
+    pub pty: Option<PtySize>,
+    /// The timeout it runs under (`null`: none).
+    #[serde(default)]
+    pub timeout_seconds: Option<u64>,
     pub created_at: String,
     pub ended_at: Option<String>,
     /// `null` until the command ends.

@@ -102,6 +102,12 @@ struct ServeArgs {
     /// (create 1200, suspend 300, resume 180, destroy 120, pause 60).
     #[arg(long)]
     operation_timeout_seconds: Option<u64>,
+    /// Timeout of a command whose request gives none (0: no timeout).
+    #[arg(long, default_value_t = 0)]
+    default_command_timeout_seconds: u64,
+    /// Longest command timeout a request may ask for (0: no maximum).
+    #[arg(long, default_value_t = 0)]
+    max_command_timeout_seconds: u64,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -216,6 +222,8 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         operation_timeout: args
             .operation_timeout_seconds
             .map(std::time::Duration::from_secs),
+        default_command_timeout_seconds: args.default_command_timeout_seconds,
+        max_command_timeout_seconds: args.max_command_timeout_seconds,
     };
     let service = service::Service::start(cfg, Arc::new(runtime))
         .await

@@ -3,18 +3,22 @@
 use std::time::Duration;
 
 use axum::body::Body;
+use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
 use axum::extract::{Path, RawQuery, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
+use base64::Engine;
+use bytes::Bytes;
 use serde::Deserialize;
-use space_api::{CommandList, CreateCommandRequest};
+use space_agent::protocol::Stream;
+use space_api::{CommandList, CreateCommandRequest, OutputChunk, OutputEnd};
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::StreamExt;
 
 use super::{check_id, error, parse_query, parse_wait, ApiJson, AppState, HttpError};
 use crate::service::output::View;
-use crate::service::CommandOutputQuery;
+use crate::service::{CommandOutputQuery, OutputEvent};
 
 pub async fn create(
     State(st): State<AppState>,
@@ -108,7 +112,8 @@ pub async fn output(
     };
     match st.service.command_output(&id, &cid, query) {
         Ok(rx) => {
-            let stream = ReceiverStream::new(rx).map(Ok::<_, std::convert::Infallible>);
+            let stream = ReceiverStream::new(rx)
+                .map(|ev| Ok::<_, std::convert::Infallible>(ndjson_line(ev)));
             Response::builder()
                 .header(header::CONTENT_TYPE, "application/x-ndjson")
                 .header(header::CACHE_CONTROL, "no-store")
@@ -167,4 +172,193 @@ pub fn parse_signal(v: &serde_json::Value) -> Option<i32> {
         "WINCH" => libc::SIGWINCH,
         _ => return None,
     })
+}
+
+/// One NDJSON line: a chunk (`{stream, offset, data}`) or the end (`{"result", "state"}`).
+fn ndjson_line(ev: OutputEvent) -> Bytes {
+    let v = match ev {
+        OutputEvent::Chunk {
+            stream,
+            offset,
+            data,
+        } => serde_json::to_value(OutputChunk {
+            stream: stream_name(stream).into(),
+            offset,
+            data: base64::engine::general_purpose::STANDARD.encode(&data),
+        }),
+        OutputEvent::End(cmd) => Ok(match cmd.result.clone() {
+            Some(result) => serde_json::to_value(OutputEnd {
+                result,
+                state: cmd.state,
+            })
+            .unwrap_or_default(),
+            None => serde_json::json!({
+                "result": null, "state": cmd.state, "lost_reason": cmd.lost_reason
+            }),
+        }),
+    };
+    let mut line = serde_json::to_vec(&v.unwrap_or_default()).unwrap_or_default();
+    line.push(b'\n');
+    Bytes::from(line)
+}
+
+fn stream_name(s: Stream) -> &'static str {
+    match s {
+        Stream::Stdout => "stdout",
+        Stream::Stderr => "stderr",
+    }
+}
+
+/// Largest body of one `POST …/stdin`.
+const MAX_STDIN_BODY: usize = 1 << 20;
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct StdinQuery {
+    /// Close the command's stdin after these bytes.
+    eof: Option<bool>,
+}
+
+/// `POST …/commands/{cid}/stdin`: the raw body goes to the command's stdin.
+pub async fn stdin(
+    State(st): State<AppState>,
+    Path((id, cid)): Path<(String, String)>,
+    RawQuery(q): RawQuery,
+    body: axum::body::Body,
+) -> Response {
+    if let Err(r) = check_id(&id, "sb", "sandbox").and(check_id(&cid, "cmd", "command")) {
+        return r.into_response();
+    }
+    let q: StdinQuery = match parse_query(q.as_deref()) {
+        Ok(q) => q,
+        Err(r) => return r.into_response(),
+    };
+    let Ok(data) = axum::body::to_bytes(body, MAX_STDIN_BODY).await else {
+        return error(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "body_too_large",
+            format!("at most {MAX_STDIN_BODY} bytes of stdin per request"),
+        );
+    };
+    match st
+        .service
+        .write_stdin(&id, &cid, data, q.eof.unwrap_or(false))
+        .await
+    {
+        Ok(()) => StatusCode::NO_CONTENT.into_response(),
+        Err(e) => HttpError(e).into_response(),
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AttachQuery {
+    /// Replay output from this offset of the combined view (default: 0).
+    offset: Option<u64>,
+}
+
+/// A control message from an attach client (text frames).
+#[derive(Deserialize)]
+#[serde(tag = "type", rename_all = "lowercase", deny_unknown_fields)]
+enum Control {
+    Resize { rows: u16, cols: u16 },
+    Eof,
+    Signal { signal: serde_json::Value },
+}
+
+/// `GET …/commands/{cid}/attach`: a WebSocket carrying input, output and resize.
+///
+/// Server → client: binary messages whose first byte is the stream (1 stdout, 2
+/// stderr) followed by the bytes; at the end one text message
+/// `{"type":"exit","state","result"}`, then close. Client → server: binary
+/// messages are stdin bytes; text messages are JSON controls
+/// `{"type":"resize","rows","cols"}`, `{"type":"eof"}`, `{"type":"signal","signal"}`.
+pub async fn attach(
+    ws: WebSocketUpgrade,
+    State(st): State<AppState>,
+    Path((id, cid)): Path<(String, String)>,
+    RawQuery(q): RawQuery,
+) -> Response {
+    if let Err(r) = check_id(&id, "sb", "sandbox").and(check_id(&cid, "cmd", "command")) {
+        return r.into_response();
+    }
+    let q: AttachQuery = match parse_query(q.as_deref()) {
+        Ok(q) => q,
+        Err(r) => return r.into_response(),
+    };
+    let query = CommandOutputQuery {
+        offset: q.offset.unwrap_or(0),
+        follow: true,
+        view: View::Combined,
+    };
+    let output = match st.service.command_output(&id, &cid, query) {
+        Ok(rx) => rx,
+        Err(e) => return HttpError(e).into_response(),
+    };
+    let svc = st.service.clone();
+    ws.max_message_size(MAX_STDIN_BODY)
+        .on_upgrade(move |socket| attach_session(svc, id, cid, socket, output))
+}
+
+async fn attach_session(
+    svc: crate::service::Service,
+    id: String,
+    cid: String,
+    socket: WebSocket,
+    mut output: tokio::sync::mpsc::Receiver<OutputEvent>,
+) {
+    use futures::SinkExt;
+    let (mut sink, mut input) = futures::StreamExt::split(socket);
+    loop {
+        tokio::select! {
+            ev = output.recv() => match ev {
+                Some(OutputEvent::Chunk { stream, data, .. }) => {
+                    let mut msg = Vec::with_capacity(data.len() + 1);
+                    msg.push(if stream == Stream::Stdout { 1 } else { 2 });
+                    msg.extend_from_slice(&data);
+                    if sink.send(Message::Binary(msg)).await.is_err() {
+                        return;
+                    }
+                }
+                Some(OutputEvent::End(cmd)) => {
+                    let end = serde_json::json!({
+                        "type": "exit", "state": cmd.state, "result": cmd.result,
+                        "lost_reason": cmd.lost_reason,
+                    });
+                    let _ = sink.send(Message::Text(end.to_string())).await;
+                    let _ = sink.send(Message::Close(None)).await;
+                    return;
+                }
+                None => {
+                    let _ = sink.send(Message::Close(None)).await;
+                    return;
+                }
+            },
+            msg = futures::StreamExt::next(&mut input) => {
+                let result = match msg {
+                    Some(Ok(Message::Binary(data))) => {
+                        svc.write_stdin(&id, &cid, Bytes::from(data), false).await
+                    }
+                    Some(Ok(Message::Text(text))) => match serde_json::from_str::<Control>(&text) {
+                        Ok(Control::Resize { rows, cols }) => svc.resize(&id, &cid, rows, cols).await,
+                        Ok(Control::Eof) => svc.write_stdin(&id, &cid, Bytes::new(), true).await,
+                        Ok(Control::Signal { signal }) => match parse_signal(&signal) {
+                            Some(sig) => svc.signal_command(&id, &cid, sig).await.map(|_| ()),
+                            None => Err(crate::service::ServiceError::BadRequest("unknown signal".into())),
+                        },
+                        Err(e) => Err(crate::service::ServiceError::BadRequest(format!("bad control message: {e}"))),
+                    },
+                    Some(Ok(Message::Close(_))) | None => return,
+                    Some(Ok(_)) => Ok(()),
+                    Some(Err(_)) => return,
+                };
+                if let Err(e) = result {
+                    let msg = serde_json::json!({"type": "error", "message": e.to_string()});
+                    if sink.send(Message::Text(msg.to_string())).await.is_err() {
+                        return;
+                    }
+                }
+            }
+        }
+    }
 }

@@ -55,6 +55,8 @@ pub fn router(state: AppState) -> Router {
             "/sandboxes/:id/commands/:cid/signal",
             post(commands::signal),
         )
+        .route("/sandboxes/:id/commands/:cid/stdin", post(commands::stdin))
+        .route("/sandboxes/:id/commands/:cid/attach", get(commands::attach))
         .route("/operations", get(operations::list))
         .route("/operations/:id", get(operations::get))
         .route("/operations/:id/cancel", post(operations::cancel))
@@ -147,7 +149,6 @@ impl IntoResponse for HttpError {
             ServiceError::BadRequest(_) => (StatusCode::BAD_REQUEST, "invalid_request"),
             ServiceError::Conflict(_) => (StatusCode::CONFLICT, "conflict"),
             ServiceError::InvalidTransition(_) => (StatusCode::CONFLICT, "invalid_transition"),
-            ServiceError::NotImplemented(_) => (StatusCode::NOT_IMPLEMENTED, "not_implemented"),
             ServiceError::Unavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
             ServiceError::Store(_) | ServiceError::Internal(_) => {
                 tracing::error!(error = %error_chain(&self.0), "internal error");

@@ -11,7 +11,6 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use base64::Engine;
 use bytes::Bytes;
 use http::{Method, StatusCode};
 use http_body_util::BodyExt;
@@ -20,8 +19,7 @@ use space_agent::protocol::{
     ExitStatus, Frame, FrameDecoder, SignalRequest, SpawnReply, SpawnRequest, Stream,
 };
 use space_api::{
-    Command, CommandState, CreateCommandRequest, OutputChunk, OutputEnd, ProcessResult,
-    SandboxState,
+    Command, CommandState, CreateCommandRequest, ProcessResult, PtySize, SandboxState,
 };
 use space_core::{new_id, now_rfc3339};
 use tokio::sync::{mpsc, watch};
@@ -43,6 +41,10 @@ const MAX_TIMEOUT_SECONDS: u64 = 7 * 24 * 3600;
 pub(crate) struct CommandHandle {
     pub sandbox_id: String,
     pub progress: watch::Sender<OutputProgress>,
+    /// Whether it takes input (started with `stdin` or `pty`).
+    pub interactive: bool,
+    /// Host frames (stdin, resize) for the current attach stream, while attached.
+    pub host_frames: watch::Sender<Option<mpsc::Sender<Bytes>>>,
 }
 
 #[derive(Default)]
@@ -95,17 +97,24 @@ impl Service {
         if argv.is_empty() || argv[0].is_empty() {
             return Err(ServiceError::BadRequest("argv must not be empty".into()));
         }
-        if req.pty.is_some() {
-            return Err(ServiceError::NotImplemented(
-                "pty is not supported yet".into(),
-            ));
+        if let Some(p) = &req.pty {
+            if p.rows == 0 || p.cols == 0 || p.rows > 1000 || p.cols > 1000 {
+                return Err(ServiceError::BadRequest(
+                    "pty rows and cols must be between 1 and 1000".into(),
+                ));
+            }
         }
-        if req.stdin == Some(true) {
-            return Err(ServiceError::NotImplemented(
-                "stdin is not supported yet".into(),
-            ));
+        let pty = req.pty.clone();
+        let interactive = req.stdin == Some(true) || pty.is_some();
+        let max = self.0.cfg.max_command_timeout_seconds;
+        let timeout = req
+            .timeout_seconds
+            .unwrap_or(self.0.cfg.default_command_timeout_seconds);
+        if max > 0 && (timeout == 0 || timeout > max) {
+            return Err(ServiceError::BadRequest(format!(
+                "timeout_seconds must be between 1 and {max} on this server"
+            )));
         }
-        let timeout = req.timeout_seconds.unwrap_or(0);
         if timeout > MAX_TIMEOUT_SECONDS {
             return Err(ServiceError::BadRequest(format!(
                 "timeout_seconds must be at most {MAX_TIMEOUT_SECONDS}"
@@ -147,8 +156,13 @@ impl Service {
             cwd: cwd.clone(),
             user: user.clone(),
             timeout_ms: (timeout > 0).then(|| timeout * 1000),
-            stdin: false,
-            pty: None,
+            stdin: interactive,
+            pty: pty
+                .as_ref()
+                .map(|p: &PtySize| space_agent::protocol::PtySize {
+                    rows: p.rows,
+                    cols: p.cols,
+                }),
         };
         spawn
             .validate()
@@ -161,6 +175,9 @@ impl Service {
             argv,
             cwd,
             user,
+            stdin: interactive,
+            pty,
+            timeout_seconds: (timeout > 0).then_some(timeout),
             created_at: now_rfc3339(),
             ended_at: None,
             result: None,
@@ -174,7 +191,7 @@ impl Service {
         let writer = OutputWriter::open(&dir)
             .map_err(|e| ServiceError::Internal(format!("creating output files: {e}")))?;
         self.0.store.insert_command(&cmd)?;
-        let ch = self.register_command(sandbox_id, &id, writer.progress());
+        let ch = self.register_command(sandbox_id, &id, writer.progress(), interactive);
 
         // Started in a task of its own: a client that hangs up mid-request must not
         // leave the command half-started.
@@ -249,10 +266,13 @@ impl Service {
         sandbox_id: &str,
         id: &str,
         progress: OutputProgress,
+        interactive: bool,
     ) -> Arc<CommandHandle> {
         let ch = Arc::new(CommandHandle {
             sandbox_id: sandbox_id.to_string(),
             progress: watch::channel(progress).0,
+            interactive,
+            host_frames: watch::channel(None).0,
         });
         lock(&self.0.commands.live).insert(id.to_string(), ch.clone());
         ch
@@ -263,7 +283,12 @@ impl Service {
         let dir = self.command_dir(&cmd.sandbox_id, &cmd.id);
         match OutputWriter::open(&dir) {
             Ok(writer) => {
-                let ch = self.register_command(&cmd.sandbox_id, &cmd.id, writer.progress());
+                let ch = self.register_command(
+                    &cmd.sandbox_id,
+                    &cmd.id,
+                    writer.progress(),
+                    cmd.stdin || cmd.pty.is_some(),
+                );
                 self.spawn_session(handle.clone(), ch, writer, cmd.sandbox_id, cmd.id);
             }
             Err(e) => self.finalize_command(
@@ -448,18 +473,19 @@ impl Service {
         self.get_command(sandbox_id, id)
     }
 
-    /// `GET …/output`: NDJSON lines, then `{"result":…}` once the command has ended.
+    /// The output of a command from an offset, as events: chunks, then (once the
+    /// command has ended and everything was sent) its end. With `follow`, waits for more.
     pub fn command_output(
         &self,
         sandbox_id: &str,
         id: &str,
         q: CommandOutputQuery,
-    ) -> Result<mpsc::Receiver<Bytes>, ServiceError> {
+    ) -> Result<mpsc::Receiver<OutputEvent>, ServiceError> {
         self.get_command(sandbox_id, id)?;
         self.touch(sandbox_id);
         let dir = self.command_dir(sandbox_id, id);
         let live = lock(&self.0.commands.live).get(id).cloned();
-        let (tx, rx) = mpsc::channel::<Bytes>(8);
+        let (tx, rx) = mpsc::channel::<OutputEvent>(8);
         let svc = self.clone();
         let (sandbox_id, id) = (sandbox_id.to_string(), id.to_string());
         tokio::spawn(async move {
@@ -503,36 +529,21 @@ impl Service {
                     };
                     for piece in pieces {
                         for (i, part) in piece.data.chunks(STREAM_PIECE_MAX).enumerate() {
-                            let chunk = OutputChunk {
-                                stream: match piece.stream {
-                                    Stream::Stdout => "stdout".into(),
-                                    Stream::Stderr => "stderr".into(),
-                                },
+                            let chunk = OutputEvent::Chunk {
+                                stream: piece.stream,
                                 offset: piece.offset + (i * STREAM_PIECE_MAX) as u64,
-                                data: base64::engine::general_purpose::STANDARD.encode(part),
+                                data: Bytes::copy_from_slice(part),
                             };
-                            if tx.send(ndjson(&chunk)).await.is_err() {
+                            if tx.send(chunk).await.is_err() {
                                 return;
                             }
-                            offset = chunk.offset + part.len() as u64;
                         }
+                        offset = piece.offset + piece.data.len() as u64;
                     }
                 }
                 if progress.done {
                     if let Ok(Some(cmd)) = svc.0.store.get_command(&sandbox_id, &id) {
-                        if let Some(result) = cmd.result.clone() {
-                            let _ = tx
-                                .send(ndjson(&OutputEnd {
-                                    result,
-                                    state: cmd.state,
-                                }))
-                                .await;
-                        } else {
-                            let end = serde_json::json!({
-                                "result": null, "state": cmd.state, "lost_reason": cmd.lost_reason
-                            });
-                            let _ = tx.send(ndjson(&end)).await;
-                        }
+                        let _ = tx.send(OutputEvent::End(cmd)).await;
                     }
                     return;
                 }
@@ -553,12 +564,111 @@ impl Service {
         });
         Ok(rx)
     }
+
+    /// `POST …/stdin`: writes to a command started with `stdin` or `pty`.
+    pub async fn write_stdin(
+        &self,
+        sandbox_id: &str,
+        id: &str,
+        data: Bytes,
+        eof: bool,
+    ) -> Result<(), ServiceError> {
+        let ch = self.interactive_handle(sandbox_id, id)?;
+        let mut frames: Vec<Bytes> = data
+            .chunks(STREAM_PIECE_MAX)
+            .map(|c| Frame::Stdin(Bytes::copy_from_slice(c)).to_bytes())
+            .collect();
+        if eof {
+            frames.push(Frame::StdinEof.to_bytes());
+        }
+        self.send_host_frames(&ch, id, frames).await
+    }
+
+    /// Resizes the pseudo-terminal of a `pty` command.
+    pub async fn resize(
+        &self,
+        sandbox_id: &str,
+        id: &str,
+        rows: u16,
+        cols: u16,
+    ) -> Result<(), ServiceError> {
+        if rows == 0 || cols == 0 || rows > 1000 || cols > 1000 {
+            return Err(ServiceError::BadRequest(
+                "rows and cols must be between 1 and 1000".into(),
+            ));
+        }
+        let ch = self.interactive_handle(sandbox_id, id)?;
+        let frame = Frame::Resize(space_agent::protocol::PtySize { rows, cols }).to_bytes();
+        self.send_host_frames(&ch, id, vec![frame]).await
+    }
+
+    fn interactive_handle(
+        &self,
+        sandbox_id: &str,
+        id: &str,
+    ) -> Result<Arc<CommandHandle>, ServiceError> {
+        let cmd = self.get_command(sandbox_id, id)?;
+        self.touch(sandbox_id);
+        if cmd.state.is_terminal() {
+            return Err(ServiceError::Conflict(format!(
+                "command {id} has already ended ({})",
+                cmd.state
+            )));
+        }
+        let ch = lock(&self.0.commands.live)
+            .get(id)
+            .cloned()
+            .ok_or_else(|| {
+                ServiceError::Conflict(format!("command {id} is not running on this server"))
+            })?;
+        if !ch.interactive {
+            return Err(ServiceError::Conflict(format!(
+                "command {id} was not started with stdin or pty"
+            )));
+        }
+        Ok(ch)
+    }
+
+    async fn send_host_frames(
+        &self,
+        ch: &CommandHandle,
+        id: &str,
+        frames: Vec<Bytes>,
+    ) -> Result<(), ServiceError> {
+        // A command that just started, or whose agent is reconnecting, gets a moment.
+        let mut rx = ch.host_frames.subscribe();
+        let tx =
+            match tokio::time::timeout(SPAWN_CONNECT_TIMEOUT, rx.wait_for(|t| t.is_some())).await {
+                Ok(Ok(t)) => t.clone(),
+                _ => None,
+            }
+            .ok_or_else(|| {
+                ServiceError::Unavailable(format!(
+                    "command {id} is not connected to its agent right now; retry"
+                ))
+            })?;
+        for f in frames {
+            tx.send(f).await.map_err(|_| {
+                ServiceError::Unavailable(format!(
+                    "the connection to command {id}'s agent broke; retry"
+                ))
+            })?;
+        }
+        Ok(())
+    }
 }
 
-fn ndjson(v: &impl serde::Serialize) -> Bytes {
-    let mut line = serde_json::to_vec(v).unwrap_or_default();
-    line.push(b'\n');
-    Bytes::from(line)
+/// What an output reader gets.
+#[derive(Debug)]
+pub enum OutputEvent {
+    /// Bytes of one stream; `offset` is their position in the view asked for.
+    Chunk {
+        stream: Stream,
+        offset: u64,
+        data: Bytes,
+    },
+    /// The command as it ended (after every byte was sent).
+    End(Command),
 }
 
 fn read_inline(path: &std::path::Path) -> (String, bool) {
@@ -594,7 +704,12 @@ async fn session(
         };
         let p = writer.progress();
         let end = match conn.attach(id, p.stdout, p.stderr).await {
-            Ok((tx, body)) => pump(body, tx, &mut writer, ch, sb).await,
+            Ok((tx, body)) => {
+                ch.host_frames.send_replace(Some(tx.clone()));
+                let end = pump(body, tx, &mut writer, ch, sb).await;
+                ch.host_frames.send_replace(None);
+                end
+            }
             Err(AgentError::Status { status, message }) if status == StatusCode::NOT_FOUND => {
                 let _ = message;
                 return (

@@ -30,7 +30,7 @@ use tokio::sync::{watch, Semaphore};
 use tokio_util::sync::CancellationToken;
 
 use agent::{AgentConn, AgentError};
-pub use commands::CommandOutputQuery;
+pub use commands::{CommandOutputQuery, OutputEvent};
 use retention::Activity;
 
 /// How long a booted sandbox's agent may take to dial in.
@@ -51,6 +51,10 @@ pub struct Config {
     pub retention: Duration,
     /// One deadline for every operation kind instead of the built-in ones.
     pub operation_timeout: Option<Duration>,
+    /// Command timeout when a request gives none (0: none).
+    pub default_command_timeout_seconds: u64,
+    /// Longest command timeout a request may ask for (0: no maximum, and "none" is allowed).
+    pub max_command_timeout_seconds: u64,
 }
 
 /// What went wrong, in terms an API caller can act on.
@@ -64,8 +68,6 @@ pub enum ServiceError {
     Conflict(String),
     #[error(transparent)]
     InvalidTransition(#[from] InvalidTransition),
-    #[error("{0}")]
-    NotImplemented(String),
     #[error("{0}")]
     Unavailable(String),
     #[error("storage failed")]

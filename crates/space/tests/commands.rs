@@ -1,0 +1,259 @@
+//! Command sessions: stdin, the attach WebSocket, signals, timeouts,
+//! background processes and concurrency. Real runsc, real HTTP.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{decode, TestServer, TOKEN};
+use futures::{SinkExt, StreamExt};
+use serde_json::{json, Value};
+use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+use tokio_tungstenite::tungstenite::Message;
+
+async fn start(s: &TestServer, sb: &str, body: Value) -> String {
+    let (st, cmd) = s.post(&format!("/v1/sandboxes/{sb}/commands"), body).await;
+    assert_eq!(st, 201, "{cmd}");
+    cmd["id"].as_str().unwrap().to_string()
+}
+
+async fn stdin(s: &TestServer, sb: &str, cid: &str, data: &'static str, eof: bool) -> u16 {
+    s.req(
+        reqwest::Method::POST,
+        &format!("/v1/sandboxes/{sb}/commands/{cid}/stdin?eof={eof}"),
+    )
+    .body(data)
+    .send()
+    .await
+    .unwrap()
+    .status()
+    .as_u16()
+}
+
+#[tokio::test]
+async fn stdin_through_post_with_eof() {
+    let s = TestServer::start().await;
+    let sb = s.create("busybox").await;
+    let cid = start(&s, &sb, json!({"argv": ["cat"], "stdin": true})).await;
+    assert_eq!(stdin(&s, &sb, &cid, "hello\n", false).await, 204);
+    assert_eq!(stdin(&s, &sb, &cid, "world", true).await, 204);
+    let (_, cmd) = s
+        .get(&format!("/v1/sandboxes/{sb}/commands/{cid}?wait=30s"))
+        .await;
+    assert_eq!(cmd["state"], "exited", "{cmd}");
+    assert_eq!(cmd["stdin"], true);
+    let (chunks, _) = s.output(&sb, &cid, "").await;
+    assert_eq!(decode(&chunks, Some("stdout")), b"hello\nworld");
+    // Too late now, and never for a command without stdin.
+    assert_eq!(stdin(&s, &sb, &cid, "x", false).await, 409);
+    let other = start(&s, &sb, json!({"argv": ["sleep", "30"]})).await;
+    assert_eq!(stdin(&s, &sb, &other, "x", false).await, 409);
+    s.destroy(&sb).await;
+}
+
+/// Connects to a command's attach WebSocket.
+async fn attach(
+    s: &TestServer,
+    sb: &str,
+    cid: &str,
+) -> tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>> {
+    let url = format!(
+        "{}/v1/sandboxes/{sb}/commands/{cid}/attach",
+        s.url.replace("http://", "ws://")
+    );
+    let mut req = url.into_client_request().unwrap();
+    req.headers_mut()
+        .insert("authorization", format!("Bearer {TOKEN}").parse().unwrap());
+    let (ws, _) = tokio_tungstenite::connect_async(req).await.expect("attach");
+    ws
+}
+
+/// Reads output from the socket until the exit message; returns (stdout, stderr, exit).
+async fn read_until_exit(
+    ws: &mut tokio_tungstenite::WebSocketStream<
+        tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>,
+    >,
+) -> (Vec<u8>, Vec<u8>, Value) {
+    let (mut out, mut err) = (Vec::new(), Vec::new());
+    loop {
+        let msg = tokio::time::timeout(Duration::from_secs(30), ws.next())
+            .await
+            .expect("attach output in time")
+            .expect("socket open")
+            .expect("message");
+        match msg {
+            Message::Binary(b) => match b.first() {
+                Some(1) => out.extend_from_slice(&b[1..]),
+                Some(2) => err.extend_from_slice(&b[1..]),
+                _ => panic!("bad frame"),
+            },
+            Message::Text(t) => {
+                let v: Value = serde_json::from_str(&t).unwrap();
+                if v["type"] == "exit" {
+                    return (out, err, v);
+                }
+                panic!("unexpected message {v}");
+            }
+            _ => {}
+        }
+    }
+}
+
+#[tokio::test]
+async fn attach_websocket_carries_stdin_output_and_eof() {
+    let s = TestServer::start().await;
+    let sb = s.create("busybox").await;
+    let cid = start(
+        &s,
+        &sb,
+        json!({"shell": "echo started; cat; echo bye >&2; exit 5", "stdin": true}),
+    )
+    .await;
+    let mut ws = attach(&s, &sb, &cid).await;
+    ws.send(Message::Binary(b"typed input\n".to_vec()))
+        .await
+        .unwrap();
+    ws.send(Message::Text(json!({"type": "eof"}).to_string()))
+        .await
+        .unwrap();
+    let (out, err, exit) = read_until_exit(&mut ws).await;
+    assert_eq!(String::from_utf8(out).unwrap(), "started\ntyped input\n");
+    assert_eq!(err, b"bye\n");
+    assert_eq!(exit["result"]["exit_code"], 5, "{exit}");
+    // Bad control messages get an error message, not a dropped socket or a crash.
+    let cid = start(&s, &sb, json!({"argv": ["cat"], "stdin": true})).await;
+    let mut ws = attach(&s, &sb, &cid).await;
+    ws.send(Message::Text("{\"type\":\"bogus\"}".into()))
+        .await
+        .unwrap();
+    let msg = ws.next().await.unwrap().unwrap();
+    let v: Value = serde_json::from_str(msg.to_text().unwrap()).unwrap();
+    assert_eq!(v["type"], "error", "{v}");
+    ws.send(Message::Text(
+        json!({"type": "signal", "signal": "KILL"}).to_string(),
+    ))
+    .await
+    .unwrap();
+    let (_, _, exit) = read_until_exit(&mut ws).await;
+    assert_eq!(exit["result"]["signal"], 9, "{exit}");
+    s.destroy(&sb).await;
+}
+
+#[tokio::test]
+async fn a_background_server_keeps_running_and_can_be_killed_later() {
+    let s = TestServer::start().await;
+    let sb = s.create("debian").await;
+    let server = start(
+        &s,
+        &sb,
+        json!({"shell": "echo serving; exec python3 -u -m http.server 8000 --bind 127.0.0.1"}),
+    )
+    .await;
+    // It is reachable from another command while it runs.
+    let fetch = "for i in $(seq 1 50); do curl -s -o /dev/null -w '%{http_code}' http://127.0.0.1:8000/ && exit 0; sleep 0.2; done; exit 1";
+    let cmd = s.sh(&sb, fetch).await;
+    assert!(cmd["stdout"].as_str().unwrap().ends_with("200"), "{cmd}");
+    let (_, list) = s.get(&format!("/v1/sandboxes/{sb}/commands")).await;
+    let running: Vec<&Value> = list["commands"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|c| c["state"] == "running")
+        .collect();
+    assert_eq!(running.len(), 1);
+    assert_eq!(running[0]["id"], server.as_str());
+    // Its log keeps flowing into its session (the request was logged on stderr).
+    let (chunks, _) = s.output(&sb, &server, "").await;
+    let text = String::from_utf8_lossy(&decode(&chunks, None)).into_owned();
+    assert!(
+        text.contains("serving") && text.contains("GET / HTTP"),
+        "{text}"
+    );
+    let (st, _) = s
+        .post(
+            &format!("/v1/sandboxes/{sb}/commands/{server}/signal"),
+            json!({"signal": "TERM"}),
+        )
+        .await;
+    assert_eq!(st, 200);
+    let (_, cmd) = s
+        .get(&format!("/v1/sandboxes/{sb}/commands/{server}?wait=30s"))
+        .await;
+    assert!(
+        cmd["state"] == "killed" || cmd["state"] == "exited",
+        "{cmd}"
+    );
+    s.destroy(&sb).await;
+}
+
+#[tokio::test]
+async fn fifty_concurrent_commands_stream_independently() {
+    let s = TestServer::start().await;
+    let sb = s.create("busybox").await;
+    let other = s.create("busybox").await;
+    let mut tasks = Vec::new();
+    for i in 0..50 {
+        let (url, sb) = (
+            s.url.clone(),
+            if i % 10 == 0 {
+                other.clone()
+            } else {
+                sb.clone()
+            },
+        );
+        tasks.push(tokio::spawn(async move {
+            let http = reqwest::Client::new();
+            let script = format!(
+                "for j in 1 2 3 4 5; do echo $j-{i}; echo e$j-{i} >&2; sleep 0.1; done; exit {}",
+                i % 7
+            );
+            let cmd: Value = http
+                .post(format!("{url}/v1/sandboxes/{sb}/commands"))
+                .bearer_auth(TOKEN)
+                .json(&json!({"shell": script, "wait": true}))
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            (i, cmd)
+        }));
+    }
+    for t in tasks {
+        let (i, cmd) = t.await.unwrap();
+        let want: String = (1..=5).map(|j| format!("{j}-{i}\n")).collect();
+        let want_err: String = (1..=5).map(|j| format!("e{j}-{i}\n")).collect();
+        assert_eq!(cmd["stdout"], want.as_str(), "{cmd}");
+        assert_eq!(cmd["stderr"], want_err.as_str(), "{cmd}");
+        assert_eq!(cmd["result"]["exit_code"], i % 7);
+    }
+    s.destroy(&sb).await;
+    s.destroy(&other).await;
+}
+
+#[tokio::test]
+async fn timeout_defaults_and_maximum_are_configurable() {
+    let s = TestServer::start_with(&[
+        "--default-command-timeout-seconds",
+        "1",
+        "--max-command-timeout-seconds",
+        "60",
+    ])
+    .await;
+    let sb = s.create("busybox").await;
+    // The default applies when the request gives none.
+    let cmd = s.run(&sb, &["sleep", "30"]).await;
+    assert_eq!(cmd["state"], "timed_out", "{cmd}");
+    assert_eq!(cmd["timeout_seconds"], 1);
+    for bad in [0, 61] {
+        let (st, v) = s
+            .post(
+                &format!("/v1/sandboxes/{sb}/commands"),
+                json!({"argv": ["true"], "timeout_seconds": bad}),
+            )
+            .await;
+        assert_eq!(st, 400, "{bad}: {v}");
+    }
+    s.destroy(&sb).await;
+}
