@@ -108,6 +108,10 @@ struct ServeArgs {
     /// Longest command timeout a request may ask for (0: no maximum).
     #[arg(long, default_value_t = 0)]
     max_command_timeout_seconds: u64,
+    /// Output kept per stream of each command, MiB; past it the head is dropped and the
+    /// result says output_truncated (0: keep everything).
+    #[arg(long, default_value_t = 64)]
+    output_cap_mib: u64,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -224,6 +228,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             .map(std::time::Duration::from_secs),
         default_command_timeout_seconds: args.default_command_timeout_seconds,
         max_command_timeout_seconds: args.max_command_timeout_seconds,
+        output_cap_bytes: args.output_cap_mib.saturating_mul(1 << 20),
     };
     let service = service::Service::start(cfg, Arc::new(runtime))
         .await

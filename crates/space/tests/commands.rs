@@ -257,3 +257,72 @@ async fn timeout_defaults_and_maximum_are_configurable() {
     }
     s.destroy(&sb).await;
 }
+
+fn vm_rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap()
+        .lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+        .unwrap()
+}
+
+#[tokio::test]
+async fn an_output_flood_is_capped_keeps_its_tail_and_stalls_nobody() {
+    use std::os::unix::fs::MetadataExt;
+    let s = TestServer::start_with(&["--output-cap-mib", "4"]).await;
+    let flood_sb = s.create("busybox").await;
+    let calm_sb = s.create("busybox").await;
+    let rss_before = vm_rss_kib(s.pid().unwrap());
+    // 200 MB of binary with no newlines, then a marker at the very end.
+    let flood = start(
+        &s,
+        &flood_sb,
+        json!({"shell": "head -c 200000000 /dev/urandom; printf END-OF-FLOOD"}),
+    )
+    .await;
+    // Meanwhile other commands, here and in another sandbox, run normally.
+    for sb in [&calm_sb, &flood_sb] {
+        let cmd = s.sh(sb, "seq 1 1000 | tail -n 1").await;
+        assert_eq!(cmd["stdout"], "1000\n", "{cmd}");
+    }
+    let (_, cmd) = s
+        .get(&format!(
+            "/v1/sandboxes/{flood_sb}/commands/{flood}?wait=300s"
+        ))
+        .await;
+    assert_eq!(cmd["state"], "exited", "{cmd}");
+    let result = &cmd["result"];
+    assert_eq!(result["stdout_bytes"], 200_000_012u64, "{cmd}");
+    assert_eq!(result["output_truncated"], true);
+    // Only the tail is kept, on disk too.
+    let file = s
+        .data_dir()
+        .join("outputs")
+        .join(&flood_sb)
+        .join(&flood)
+        .join("stdout");
+    let on_disk = std::fs::metadata(&file).unwrap().blocks() * 512;
+    assert!(
+        on_disk <= 6 << 20,
+        "{on_disk} bytes on disk for a 4 MiB cap"
+    );
+    let (chunks, end) = s.output(&flood_sb, &flood, "stream=stdout").await;
+    let first = chunks[0]["offset"].as_u64().unwrap();
+    let tail = decode(&chunks, None);
+    assert!(
+        first >= 200_000_012 - (5 << 20),
+        "first kept offset {first}"
+    );
+    assert_eq!(first + tail.len() as u64, 200_000_012);
+    assert!(tail.ends_with(b"END-OF-FLOOD"));
+    assert_eq!(end.unwrap()["result"]["output_truncated"], true);
+    // The server's memory did not follow the flood.
+    let rss_after = vm_rss_kib(s.pid().unwrap());
+    assert!(
+        rss_after < rss_before + 100 * 1024,
+        "server RSS grew from {rss_before} KiB to {rss_after} KiB"
+    );
+    s.destroy(&flood_sb).await;
+    s.destroy(&calm_sb).await;
+}

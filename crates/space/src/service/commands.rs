@@ -188,7 +188,7 @@ impl Service {
             inline_truncated: None,
         };
         let dir = self.command_dir(sandbox_id, &id);
-        let writer = OutputWriter::open(&dir)
+        let writer = OutputWriter::open(&dir, self.0.cfg.output_cap_bytes)
             .map_err(|e| ServiceError::Internal(format!("creating output files: {e}")))?;
         self.0.store.insert_command(&cmd)?;
         let ch = self.register_command(sandbox_id, &id, writer.progress(), interactive);
@@ -281,7 +281,7 @@ impl Service {
     /// Restarts the session of a command that was running when the server stopped.
     pub(crate) fn resume_command_session(&self, handle: &Arc<SandboxHandle>, cmd: Command) {
         let dir = self.command_dir(&cmd.sandbox_id, &cmd.id);
-        match OutputWriter::open(&dir) {
+        match OutputWriter::open(&dir, self.0.cfg.output_cap_bytes) {
             Ok(writer) => {
                 let ch = self.register_command(
                     &cmd.sandbox_id,
@@ -349,7 +349,7 @@ impl Service {
                             duration_ms: st.duration_ms,
                             stdout_bytes: progress.stdout,
                             stderr_bytes: progress.stderr,
-                            output_truncated: false,
+                            output_truncated: progress.truncated(),
                         });
                     }
                     Outcome::Lost(reason) => {
@@ -525,6 +525,11 @@ impl Service {
                     };
                     let pieces = match pieces {
                         Ok(Ok(p)) if !p.is_empty() => p,
+                        // Everything left below `upto` was dropped by the output cap.
+                        Ok(Ok(_)) => {
+                            offset = upto;
+                            break;
+                        }
                         _ => return,
                     };
                     for piece in pieces {

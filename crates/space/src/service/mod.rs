@@ -55,6 +55,8 @@ pub struct Config {
     pub default_command_timeout_seconds: u64,
     /// Longest command timeout a request may ask for (0: no maximum, and "none" is allowed).
     pub max_command_timeout_seconds: u64,
+    /// Output kept per stream of a command; past it the head is dropped (0: keep all).
+    pub output_cap_bytes: u64,
 }
 
 /// What went wrong, in terms an API caller can act on.

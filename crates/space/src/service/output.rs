@@ -6,6 +6,12 @@
 //! fixed-size record per chunk in arrival order. A chunk's bytes are written
 //! before its index record, so the index is the truth: on recovery the data
 //! files are cut back to what the index covers and the agent resends the rest.
+//!
+//! Output is capped per stream: past the cap, the head of the stream is
+//! dropped (its disk blocks freed with `FALLOC_FL_PUNCH_HOLE`, so offsets never
+//! change) and only the last `cap` bytes (rounded to 1 MiB) are kept. The first
+//! kept offset of each stream (its *base*) is in `bases`, written before the
+//! punch, so readers skip what is gone and never see the hole.
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, Read, Seek, SeekFrom, Write};
@@ -16,6 +22,9 @@ use space_agent::protocol::Stream;
 
 const RECORD_LEN: u64 = 24;
 
+/// Granularity of dropping the head of a capped stream.
+const DROP_STEP: u64 = 1 << 20;
+
 /// How much has been stored so far.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct OutputProgress {
@@ -23,26 +32,86 @@ pub struct OutputProgress {
     pub stderr: u64,
     /// The command has ended and its result is stored: nothing more will come.
     pub done: bool,
+    /// Bytes dropped from the head of each stream by the output cap.
+    pub stdout_base: u64,
+    pub stderr_base: u64,
 }
 
 impl OutputProgress {
     pub fn combined(&self) -> u64 {
         self.stdout + self.stderr
     }
+
+    /// Whether the cap has dropped anything.
+    pub fn truncated(&self) -> bool {
+        self.stdout_base > 0 || self.stderr_base > 0
+    }
+}
+
+/// The first kept offset of each stream.
+fn read_bases(dir: &Path) -> (u64, u64) {
+    let Ok(b) = std::fs::read(dir.join("bases")) else {
+        return (0, 0);
+    };
+    if b.len() != 16 {
+        return (0, 0);
+    }
+    let mut a = [0u8; 8];
+    a.copy_from_slice(&b[..8]);
+    let out = u64::from_le_bytes(a);
+    a.copy_from_slice(&b[8..]);
+    (out, u64::from_le_bytes(a))
+}
+
+fn write_bases(dir: &Path, stdout: u64, stderr: u64) -> io::Result<()> {
+    let tmp = dir.join("bases.tmp");
+    let mut b = Vec::with_capacity(16);
+    b.extend_from_slice(&stdout.to_le_bytes());
+    b.extend_from_slice(&stderr.to_le_bytes());
+    std::fs::write(&tmp, b)?;
+    std::fs::rename(tmp, dir.join("bases"))
+}
+
+/// Frees the disk blocks of `[from, to)` in `f`, keeping its size and offsets.
+fn punch(f: &File, from: u64, to: u64) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    if to <= from {
+        return Ok(());
+    }
+    let (Ok(off), Ok(len)) = (i64::try_from(from), i64::try_from(to - from)) else {
+        return Ok(());
+    };
+    // SAFETY: a plain syscall on a file descriptor we own.
+    let r = unsafe {
+        libc::fallocate(
+            f.as_raw_fd(),
+            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+            off,
+            len,
+        )
+    };
+    if r != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 /// The single writer of one command's output.
 #[derive(Debug)]
 pub struct OutputWriter {
+    dir: std::path::PathBuf,
     stdout: File,
     stderr: File,
     index: File,
     progress: OutputProgress,
+    /// Bytes kept per stream; 0 keeps everything.
+    cap: u64,
 }
 
 impl OutputWriter {
     /// Opens the output of a command, creating it or recovering it after a crash.
-    pub fn open(dir: &Path) -> io::Result<OutputWriter> {
+    /// Each stream keeps its last `cap` bytes (0: all).
+    pub fn open(dir: &Path, cap: u64) -> io::Result<OutputWriter> {
         std::fs::create_dir_all(dir)?;
         let open = |name: &str| {
             OpenOptions::new()
@@ -68,11 +137,16 @@ impl OutputWriter {
         }
         stdout.set_len(progress.stdout)?;
         stderr.set_len(progress.stderr)?;
+        let (stdout_base, stderr_base) = read_bases(dir);
+        progress.stdout_base = stdout_base.min(progress.stdout);
+        progress.stderr_base = stderr_base.min(progress.stderr);
         Ok(OutputWriter {
+            dir: dir.to_path_buf(),
             stdout,
             stderr,
             index,
             progress,
+            cap,
         })
     }
 
@@ -103,6 +177,34 @@ impl OutputWriter {
             Stream::Stdout => self.progress.stdout += u64::from(len),
             Stream::Stderr => self.progress.stderr += u64::from(len),
         }
+        self.enforce_cap()
+    }
+
+    /// Drops the head of a stream that has grown past the cap by a whole step.
+    fn enforce_cap(&mut self) -> io::Result<()> {
+        if self.cap == 0 {
+            return Ok(());
+        }
+        let p = self.progress;
+        let want = |len: u64, base: u64| {
+            let keep_from = len.saturating_sub(self.cap) / DROP_STEP * DROP_STEP;
+            (keep_from > base).then_some(keep_from)
+        };
+        let new_out = want(p.stdout, p.stdout_base);
+        let new_err = want(p.stderr, p.stderr_base);
+        if new_out.is_none() && new_err.is_none() {
+            return Ok(());
+        }
+        let (out, err) = (
+            new_out.unwrap_or(p.stdout_base),
+            new_err.unwrap_or(p.stderr_base),
+        );
+        // Readers learn the new bases before the bytes disappear.
+        write_bases(&self.dir, out, err)?;
+        punch(&self.stdout, p.stdout_base, out)?;
+        punch(&self.stderr, p.stderr_base, err)?;
+        self.progress.stdout_base = out;
+        self.progress.stderr_base = err;
         Ok(())
     }
 }
@@ -174,6 +276,12 @@ pub fn read_pieces(
     upto: u64,
     max: usize,
 ) -> io::Result<Vec<Piece>> {
+    let (stdout_base, stderr_base) = read_bases(dir);
+    let offset = match view {
+        View::Stdout => offset.max(stdout_base),
+        View::Stderr => offset.max(stderr_base),
+        View::Combined => offset,
+    };
     if offset >= upto {
         return Ok(Vec::new());
     }
@@ -194,7 +302,7 @@ pub fn read_pieces(
                 data,
             }])
         }
-        View::Combined => read_combined(dir, offset, want),
+        View::Combined => read_combined(dir, offset, want, (stdout_base, stderr_base)),
     }
 }
 
@@ -210,7 +318,12 @@ fn read_at(path: &Path, offset: u64, len: usize) -> io::Result<Vec<u8>> {
     Ok(data)
 }
 
-fn read_combined(dir: &Path, offset: u64, want: usize) -> io::Result<Vec<Piece>> {
+fn read_combined(
+    dir: &Path,
+    offset: u64,
+    want: usize,
+    bases: (u64, u64),
+) -> io::Result<Vec<Piece>> {
     let index = match File::open(dir.join("index")) {
         Ok(f) => f,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
@@ -243,7 +356,17 @@ fn read_combined(dir: &Path, offset: u64, want: usize) -> io::Result<Vec<Piece>>
         if end <= offset {
             continue;
         }
-        let skip = offset.saturating_sub(r.combined_offset);
+        let mut skip = offset.saturating_sub(r.combined_offset);
+        // Skip what the cap dropped from this record's stream.
+        let base = if r.stream == Stream::Stderr {
+            bases.1
+        } else {
+            bases.0
+        };
+        skip = skip.max(base.saturating_sub(r.stream_offset));
+        if skip >= u64::from(r.len) {
+            continue;
+        }
         let take = usize::try_from(u64::from(r.len) - skip)
             .unwrap_or(usize::MAX)
             .min(remaining);
@@ -269,10 +392,13 @@ fn read_combined(dir: &Path, offset: u64, want: usize) -> io::Result<Vec<Piece>>
 /// The stored lengths of a command's output, from its files.
 pub fn stored_progress(dir: &Path) -> OutputProgress {
     let len = |n: &str| std::fs::metadata(dir.join(n)).map(|m| m.len()).unwrap_or(0);
+    let (stdout_base, stderr_base) = read_bases(dir);
     OutputProgress {
         stdout: len("stdout"),
         stderr: len("stderr"),
         done: false,
+        stdout_base,
+        stderr_base,
     }
 }
 
@@ -288,7 +414,7 @@ mod tests {
     #[test]
     fn combined_view_is_arrival_order_and_offsets_are_exact() {
         let dir = tempfile::tempdir().unwrap();
-        let mut w = OutputWriter::open(dir.path()).unwrap();
+        let mut w = OutputWriter::open(dir.path(), 0).unwrap();
         w.append(Stream::Stdout, b"hello ").unwrap();
         w.append(Stream::Stderr, b"oops ").unwrap();
         w.append(Stream::Stdout, b"world").unwrap();
@@ -314,10 +440,45 @@ mod tests {
     }
 
     #[test]
+    fn the_cap_keeps_the_tail_and_frees_the_head() {
+        use std::os::unix::fs::MetadataExt;
+        let dir = tempfile::tempdir().unwrap();
+        let mut w = OutputWriter::open(dir.path(), 2 << 20).unwrap();
+        let chunk: Vec<u8> = (0..=255u8).cycle().take(64 * 1024).collect();
+        for _ in 0..160 {
+            w.append(Stream::Stdout, &chunk).unwrap();
+        }
+        w.append(Stream::Stderr, b"tail").unwrap();
+        let p = w.progress();
+        assert_eq!(p.stdout, 160 * 64 * 1024);
+        assert!(p.truncated());
+        assert!(p.stdout - p.stdout_base >= 2 << 20);
+        assert!(p.stdout - p.stdout_base < 3 << 20);
+        // The dropped head no longer takes disk space.
+        let blocks = std::fs::metadata(dir.path().join("stdout"))
+            .unwrap()
+            .blocks()
+            * 512;
+        assert!(blocks <= 4 << 20, "{blocks} bytes on disk");
+        // Readers start at the base, in both views, and never see zeros from the hole.
+        let got = read_pieces(dir.path(), View::Stdout, 0, p.stdout, usize::MAX).unwrap();
+        assert_eq!(got[0].offset, p.stdout_base);
+        let all = read_pieces(dir.path(), View::Combined, 0, p.combined(), usize::MAX).unwrap();
+        let bytes: Vec<u8> = all.iter().flat_map(|x| x.data.clone()).collect();
+        assert_eq!(bytes.len() as u64, p.stdout - p.stdout_base + 4);
+        assert_eq!(&bytes[..4], &chunk[..4]);
+        assert!(bytes.ends_with(b"tail"));
+        // A reopen (after a crash) knows the bases.
+        drop(w);
+        let w = OutputWriter::open(dir.path(), 2 << 20).unwrap();
+        assert_eq!(w.progress().stdout_base, p.stdout_base);
+    }
+
+    #[test]
     fn recovery_cuts_unindexed_bytes() {
         let dir = tempfile::tempdir().unwrap();
         {
-            let mut w = OutputWriter::open(dir.path()).unwrap();
+            let mut w = OutputWriter::open(dir.path(), 0).unwrap();
             w.append(Stream::Stdout, b"abc").unwrap();
         }
         // A crash after the data write but before the index record, plus a torn record.
@@ -333,7 +494,7 @@ mod tests {
             .unwrap()
             .write_all(&[1, 2, 3])
             .unwrap();
-        let mut w = OutputWriter::open(dir.path()).unwrap();
+        let mut w = OutputWriter::open(dir.path(), 0).unwrap();
         assert_eq!(w.progress().stdout, 3);
         w.append(Stream::Stdout, b"def").unwrap();
         assert_eq!(std::fs::read(dir.path().join("stdout")).unwrap(), b"abcdef");
