@@ -159,12 +159,15 @@ pub fn listen(
     socket: &Path,
     conn: watch::Sender<Option<AgentConn>>,
 ) -> std::io::Result<tokio::task::JoinHandle<()>> {
-    match std::fs::remove_file(socket) {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(e),
+    // Bind beside it and rename over it: the path never stops existing, because an
+    // agent that saw it missing would be told so by gVisor's cache from then on.
+    let tmp = socket.with_extension(format!("sock.{}", std::process::id()));
+    let _ = std::fs::remove_file(&tmp);
+    let listener = UnixListener::bind(&tmp)?;
+    if let Err(e) = std::fs::rename(&tmp, socket) {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
     }
-    let listener = UnixListener::bind(socket)?;
     Ok(tokio::spawn(async move {
         loop {
             let (stream, _) = match listener.accept().await {

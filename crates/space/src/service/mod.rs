@@ -106,18 +106,22 @@ impl SandboxHandle {
         })
     }
 
-    /// Stops accepting agent connections and closes the current one.
+    /// Stops accepting agent connections, closes the current one and removes the socket.
     fn stop_listener(&self) {
-        self.stop_listener_keep_connection();
+        if let Some(socket) = self.stop_listener_keep_connection() {
+            let _ = std::fs::remove_file(socket);
+        }
         self.drop_connection();
     }
 
-    /// Stops accepting agent connections (the socket disappears); the current one stays.
-    fn stop_listener_keep_connection(&self) {
-        if let Some((task, socket)) = lock(&self.listener).take() {
-            task.abort();
-            let _ = std::fs::remove_file(socket);
-        }
+    /// Stops accepting agent connections; the current one stays. The socket file
+    /// stays too: a dialling agent then gets "connection refused". Were the file
+    /// gone, gVisor would remember that the path does not exist (a negative dentry)
+    /// and the agent would never see the socket that a later listener binds there.
+    fn stop_listener_keep_connection(&self) -> Option<PathBuf> {
+        let (task, socket) = lock(&self.listener).take()?;
+        task.abort();
+        Some(socket)
     }
 
     /// Closes the current agent connection, if any.
