@@ -103,6 +103,12 @@ pub struct ExecArgs {
     /// Kill the command after this many seconds.
     #[arg(long)]
     pub timeout: Option<u64>,
+    /// Send this terminal's input to the command (until end of input).
+    #[arg(long, short)]
+    pub interactive: bool,
+    /// Run the command on a pseudo-terminal, this terminal in raw mode (like ssh -t).
+    #[arg(long, short)]
+    pub tty: bool,
     /// The command and its arguments (after `--`).
     #[arg(last = true, required = true)]
     pub argv: Vec<String>,
@@ -119,7 +125,7 @@ pub enum ClientCmd {
     },
 }
 
-struct Client {
+pub(crate) struct Client {
     http: reqwest::Client,
     base: String,
     token: String,
@@ -408,6 +414,24 @@ async fn events(c: &Client, after: Option<i64>) -> anyhow::Result<i32> {
 /// `space exec`: start the command, stream its output live (resuming from the
 /// last offset if the connection drops), exit with its exit code.
 async fn exec(c: &Client, args: ExecArgs) -> anyhow::Result<i32> {
+    if args.tty || args.interactive {
+        return crate::tty::exec_attached(
+            &c.base,
+            &c.token,
+            &c.http,
+            &args.sandbox,
+            CreateCommandRequest {
+                argv: Some(args.argv),
+                env: Some(key_values(&args.env, "env")?),
+                cwd: args.cwd,
+                user: args.user,
+                timeout_seconds: args.timeout,
+                ..Default::default()
+            },
+            args.tty,
+        )
+        .await;
+    }
     let req = CreateCommandRequest {
         argv: Some(args.argv),
         env: Some(key_values(&args.env, "env")?),

@@ -3,6 +3,7 @@
 mod api;
 mod cli;
 mod service;
+mod tty;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};

@@ -64,6 +64,23 @@ async fn cli_sandbox_ops_and_exec() {
     );
     assert_eq!(out.status.code(), Some(0));
     assert_eq!(text(&out.stdout), "1\n");
+    // -i sends this process's stdin, end of input included.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_space"))
+        .args(["exec", "-i", &sb, "--", "sh", "-c", "cat; echo after-eof"])
+        .env("SPACE_URL", &s.url)
+        .env("SPACE_TOKEN", TOKEN)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    {
+        use std::io::Write;
+        let mut input = child.stdin.take().unwrap();
+        input.write_all(b"line one\nline two\n").unwrap();
+    }
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(0));
+    assert_eq!(text(&out.stdout), "line one\nline two\nafter-eof\n");
     // Killed by a signal: 128 + signal, like a shell.
     let out = space(&s, &["exec", &sb, "--", "sh", "-c", "kill -9 $$"]);
     assert_eq!(out.status.code(), Some(137));

@@ -1,0 +1,184 @@
+//! `space exec -t` / `-i`: an attached command over the attach WebSocket.
+//! With `-t` the command runs on a pseudo-terminal and this terminal goes raw
+//! (restored on every way out), so arrow keys, Ctrl-C and full-screen programs
+//! behave as over ssh; window size changes follow (SIGWINCH).
+
+use std::io::Write;
+
+use anyhow::{bail, Context};
+use futures::{SinkExt, StreamExt};
+use serde_json::{json, Value};
+use space_api::{Command, CreateCommandRequest, ErrorBody, PtySize};
+use tokio::io::AsyncReadExt;
+use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+use tokio_tungstenite::tungstenite::Message;
+
+/// Puts a terminal in raw mode and restores it when dropped.
+struct RawMode {
+    fd: i32,
+    saved: libc::termios,
+}
+
+impl RawMode {
+    fn enter(fd: i32) -> Option<RawMode> {
+        // SAFETY: termios calls on a descriptor we were given; the struct is plain data.
+        unsafe {
+            if libc::isatty(fd) != 1 {
+                return None;
+            }
+            let mut t: libc::termios = std::mem::zeroed();
+            if libc::tcgetattr(fd, &mut t) != 0 {
+                return None;
+            }
+            let saved = t;
+            libc::cfmakeraw(&mut t);
+            if libc::tcsetattr(fd, libc::TCSANOW, &t) != 0 {
+                return None;
+            }
+            Some(RawMode { fd, saved })
+        }
+    }
+}
+
+impl Drop for RawMode {
+    fn drop(&mut self) {
+        // SAFETY: restores the attributes read in `enter`.
+        unsafe {
+            libc::tcsetattr(self.fd, libc::TCSANOW, &self.saved);
+        }
+    }
+}
+
+/// The size of the terminal on `fd`, if it is one.
+fn window_size(fd: i32) -> Option<PtySize> {
+    // SAFETY: TIOCGWINSZ fills a plain struct.
+    unsafe {
+        let mut ws: libc::winsize = std::mem::zeroed();
+        if libc::ioctl(fd, libc::TIOCGWINSZ, &mut ws) != 0 || ws.ws_row == 0 {
+            return None;
+        }
+        Some(PtySize {
+            rows: ws.ws_row,
+            cols: ws.ws_col,
+        })
+    }
+}
+
+pub async fn exec_attached(
+    base: &str,
+    token: &str,
+    http: &reqwest::Client,
+    sandbox: &str,
+    mut req: CreateCommandRequest,
+    tty: bool,
+) -> anyhow::Result<i32> {
+    req.stdin = Some(true);
+    if tty {
+        req.pty = Some(window_size(0).unwrap_or(PtySize { rows: 24, cols: 80 }));
+        let term = std::env::var("TERM").unwrap_or_else(|_| "xterm-256color".into());
+        req.env
+            .get_or_insert_with(Default::default)
+            .entry("TERM".into())
+            .or_insert(term);
+    }
+    let resp = http
+        .post(format!("{base}/v1/sandboxes/{sandbox}/commands"))
+        .bearer_auth(token)
+        .json(&req)
+        .send()
+        .await
+        .with_context(|| format!("cannot reach the space server at {base}"))?;
+    let status = resp.status();
+    let bytes = resp.bytes().await?;
+    if !status.is_success() {
+        match serde_json::from_slice::<ErrorBody>(&bytes) {
+            Ok(e) => bail!("{} ({}): {}", status, e.error.code, e.error.message),
+            Err(_) => bail!("{}: {}", status, String::from_utf8_lossy(&bytes)),
+        }
+    }
+    let cmd: Command = serde_json::from_slice(&bytes)?;
+    let url = format!(
+        "{}/v1/sandboxes/{sandbox}/commands/{}/attach",
+        base.replacen("http", "ws", 1),
+        cmd.id
+    );
+    let mut wsreq = url.into_client_request()?;
+    wsreq
+        .headers_mut()
+        .insert("authorization", format!("Bearer {token}").parse()?);
+    let (ws, _) = tokio_tungstenite::connect_async(wsreq)
+        .await
+        .context("attaching to the command")?;
+    let (mut sink, mut source) = ws.split();
+
+    let raw = if tty { RawMode::enter(0) } else { None };
+    let mut winch = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::window_change())?;
+    let mut stdin = tokio::io::stdin();
+    let mut buf = vec![0u8; 16 * 1024];
+    let mut stdin_open = true;
+    let code = loop {
+        tokio::select! {
+            n = stdin.read(&mut buf), if stdin_open => match n {
+                Ok(0) | Err(_) => {
+                    stdin_open = false;
+                    sink.send(Message::Text(json!({"type": "eof"}).to_string())).await?;
+                }
+                Ok(n) => sink.send(Message::Binary(buf[..n].to_vec())).await?,
+            },
+            _ = winch.recv(), if tty => {
+                if let Some(size) = window_size(0) {
+                    let msg = json!({"type": "resize", "rows": size.rows, "cols": size.cols});
+                    sink.send(Message::Text(msg.to_string())).await?;
+                }
+            }
+            msg = source.next() => match msg {
+                Some(Ok(Message::Binary(b))) if !b.is_empty() => {
+                    let data = &b[1..];
+                    if b[0] == 2 {
+                        let mut e = std::io::stderr().lock();
+                        e.write_all(data)?;
+                        e.flush()?;
+                    } else {
+                        let mut o = std::io::stdout().lock();
+                        o.write_all(data)?;
+                        o.flush()?;
+                    }
+                }
+                Some(Ok(Message::Text(t))) => {
+                    let v: Value = serde_json::from_str(&t).unwrap_or(Value::Null);
+                    if v["type"] == "exit" {
+                        break exit_code(&v);
+                    }
+                    if v["type"] == "error" {
+                        drop(raw);
+                        bail!("{}", v["message"].as_str().unwrap_or("attach error"));
+                    }
+                }
+                Some(Ok(Message::Close(_))) | None => break 255,
+                Some(Ok(_)) => {}
+                Some(Err(e)) => {
+                    drop(raw);
+                    return Err(e).context("the attach connection broke");
+                }
+            },
+        }
+    };
+    drop(raw);
+    Ok(code)
+}
+
+fn exit_code(end: &Value) -> i32 {
+    let r = &end["result"];
+    if let Some(c) = r["exit_code"].as_i64() {
+        return c as i32;
+    }
+    if let Some(s) = r["signal"].as_i64() {
+        return 128 + s as i32;
+    }
+    eprintln!(
+        "space: command ended {}: {}",
+        end["state"].as_str().unwrap_or("unknown"),
+        end["lost_reason"].as_str().unwrap_or("no result")
+    );
+    255
+}
