@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs the host dependencies of space. Idempotent; needs root (apt-get).
 #   runsc (gVisor) from Debian bookworm-backports: the 2024 build with the fast systrap platform
-#   mmdebstrap (the debian template), busybox-static (the busybox template)
+#   mmdebstrap (the debian template), busybox-static (the busybox template),
+#   tmux (the interactive `space exec -t` test)
 set -euo pipefail
 
 if [ "$(id -u)" -ne 0 ]; then
@@ -38,7 +39,7 @@ if ! runsc --version 2>/dev/null | grep -qE 'version 0\.0~2024'; then
 fi
 
 missing=()
-for pkg in mmdebstrap busybox-static ca-certificates util-linux; do
+for pkg in mmdebstrap busybox-static ca-certificates util-linux tmux; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'install ok installed' || missing+=("$pkg")
 done
 if [ "${#missing[@]}" -gt 0 ]; then

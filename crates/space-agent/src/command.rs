@@ -1,5 +1,5 @@
 //! One command the agent runs: its retained output, its exit, its stdin, and
-//! the tasks that move bytes between its pipes and the host.
+//! the tasks that move bytes between its pipes (or its terminal) and the host.
 //!
 //! Output is kept per stream as chunks tagged with an arrival sequence number, so
 //! an attach can replay both streams in the order they were read while acks drop
@@ -11,11 +11,13 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use space_agent::protocol::{
-    CommandInfo, ExitStatus, Frame, Stream, MAX_DATA_CHUNK, RETAIN_MAX_BYTES,
+    CommandInfo, ExitStatus, Frame, PtySize, Stream, MAX_DATA_CHUNK, RETAIN_MAX_BYTES,
 };
 use tokio::net::unix::pipe;
 use tokio::sync::{mpsc, watch, Notify, OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
+
+use crate::pty::{Pty, PtyRead};
 
 /// Stdin bytes the agent queues for a command that is not reading them yet.
 /// Acks travel behind stdin in the same request body, so this must be well above
@@ -86,11 +88,26 @@ impl Retained {
     }
 }
 
+/// One entry of a command's stdin queue.
+#[derive(Debug)]
+struct Input {
+    what: InputKind,
+    /// Its share of the queue's budget, released once it is written.
+    _permit: OwnedSemaphorePermit,
+}
+
+#[derive(Debug)]
+enum InputKind {
+    Data(Bytes),
+    /// A terminal's end-of-file: its EOF character (a pipe is closed instead).
+    Eof,
+}
+
 /// Where stdin bytes for a command go: an unbounded queue whose bytes are
 /// bounded by a semaphore, drained by the command's stdin writer task.
 #[derive(Debug, Clone)]
 pub struct StdinHandle {
-    tx: mpsc::UnboundedSender<(Bytes, OwnedSemaphorePermit)>,
+    tx: mpsc::UnboundedSender<Input>,
     budget: Arc<Semaphore>,
 }
 
@@ -100,9 +117,60 @@ impl StdinHandle {
     pub async fn send(&self, data: Bytes) {
         let n = u32::try_from(data.len()).unwrap_or(u32::MAX);
         if let Ok(permit) = self.budget.clone().acquire_many_owned(n).await {
-            let _ = self.tx.send((data, permit));
+            let _ = self.tx.send(Input {
+                what: InputKind::Data(data),
+                _permit: permit,
+            });
         }
     }
+
+    /// Queues a terminal's end-of-file behind the bytes already queued.
+    pub async fn send_eof(&self) {
+        if let Ok(permit) = self.budget.clone().acquire_many_owned(1).await {
+            let _ = self.tx.send(Input {
+                what: InputKind::Eof,
+                _permit: permit,
+            });
+        }
+    }
+}
+
+/// Where a command's output comes from: a pipe per stream, or its terminal
+/// (stdout and stderr together, reported as stdout).
+#[derive(Debug)]
+pub enum Source {
+    Pipe(pipe::Receiver),
+    Pty(Arc<Pty>),
+}
+
+impl Source {
+    async fn readable(&self) -> std::io::Result<()> {
+        match self {
+            Source::Pipe(p) => p.readable().await,
+            Source::Pty(p) => p.readable().await,
+        }
+    }
+
+    fn try_read(&self, buf: &mut [u8]) -> Read {
+        match self {
+            Source::Pipe(p) => try_read(p, buf),
+            Source::Pty(p) => p.try_read(buf).into(),
+        }
+    }
+
+    fn read_now(&self, buf: &mut [u8]) -> Read {
+        match self {
+            Source::Pipe(p) => read_now(p, buf),
+            Source::Pty(p) => p.read_now(buf).into(),
+        }
+    }
+}
+
+/// Where a command's stdin queue is written to.
+#[derive(Debug)]
+pub enum Sink {
+    Pipe(pipe::Sender),
+    Pty(Arc<Pty>),
 }
 
 #[derive(Debug, Default)]
@@ -119,6 +187,10 @@ struct State {
     exit: Option<ExitStatus>,
     attach_cancel: Option<CancellationToken>,
     stdin: Option<StdinHandle>,
+    /// The command's terminal, until its output has all been read.
+    pty: Option<Arc<Pty>>,
+    /// The `RLIMIT_RSS` tag its processes carry (see `tree`).
+    tag: Option<u64>,
 }
 
 impl State {
@@ -224,6 +296,40 @@ impl Cmd {
         (st.pid != 0 && !st.exited()).then_some(st.pid)
     }
 
+    pub fn set_tag(&self, tag: Option<u64>) {
+        self.lock().tag = tag;
+    }
+
+    pub fn tag(&self) -> Option<u64> {
+        self.lock().tag
+    }
+
+    pub fn set_pty(&self, pty: Arc<Pty>) {
+        self.lock().pty = Some(pty);
+    }
+
+    /// Resizes the command's terminal; nothing without one (or once it has ended).
+    /// Blocking where the kernel leaves SIGWINCH to us (scans `/proc`).
+    pub fn resize(&self, size: PtySize) {
+        let (pty, root) = {
+            let st = self.lock();
+            (
+                st.pty.clone(),
+                (st.pid != 0 && !st.exited()).then_some(st.pid),
+            )
+        };
+        let Some(pty) = pty else { return };
+        // Fails only for a terminal already gone: nothing to resize then.
+        if pty.resize(size).is_err() || pty.kernel_signals_resize() {
+            return;
+        }
+        // Not knowing the foreground group, tell every group of the session;
+        // SIGWINCH is ignored by default, so the others at most redraw.
+        if let Some(root) = root.and_then(|p| i32::try_from(p).ok()) {
+            crate::tree::signal_session_groups(root, libc::SIGWINCH);
+        }
+    }
+
     pub fn mark_timed_out(&self) {
         self.lock().timed_out = true;
     }
@@ -266,10 +372,18 @@ impl Cmd {
         self.lock().stdin.clone()
     }
 
-    /// Drops our end of the stdin queue; the writer closes the pipe once the
-    /// queued bytes are written.
-    pub fn close_stdin(&self) {
-        self.lock().stdin = None;
+    /// The host's end of stdin. For a pipe: drops our end of the queue, and the
+    /// writer closes the pipe once the queued bytes are written. A terminal is not
+    /// closed (it is the command's stdout too); it gets its EOF character, as from
+    /// a user pressing ^D, which is returned here to be queued.
+    pub fn end_stdin(&self) -> Option<StdinHandle> {
+        let mut st = self.lock();
+        if st.pty.is_some() {
+            st.stdin.clone()
+        } else {
+            st.stdin = None;
+            None
+        }
     }
 
     pub fn ack(&self, stdout: u64, stderr: u64) {
@@ -343,6 +457,12 @@ impl Cmd {
             if st.exit.is_some() {
                 return;
             }
+            if st.pty.take().is_some() {
+                // Stops the terminal's writer, so the master closes once the
+                // pump lets go of it too: what remains on the slave side (background
+                // children) then reads EOF and writes EIO rather than blocking.
+                st.stdin = None;
+            }
             let status = st.wait_status.unwrap_or(0);
             let (exit_code, signal) = if libc::WIFEXITED(status) {
                 (Some(libc::WEXITSTATUS(status)), None)
@@ -369,31 +489,41 @@ fn millis(d: std::time::Duration) -> u64 {
 }
 
 /// Creates the stdin queue for a command and starts its writer.
-pub fn start_stdin_writer(cmd: &Arc<Cmd>, pipe: pipe::Sender) -> StdinHandle {
+pub fn start_stdin_writer(cmd: &Arc<Cmd>, sink: Sink) -> StdinHandle {
     let (tx, rx) = mpsc::unbounded_channel();
     let handle = StdinHandle {
         tx,
         budget: Arc::new(Semaphore::new(STDIN_QUEUE_BYTES)),
     };
-    tokio::spawn(stdin_writer(pipe, rx, cmd.forgotten.clone()));
+    tokio::spawn(stdin_writer(sink, rx, cmd.forgotten.clone()));
     handle
 }
 
+async fn write_input(sink: &mut Sink, input: &InputKind) -> std::io::Result<()> {
+    use tokio::io::AsyncWriteExt;
+    match (sink, input) {
+        (Sink::Pipe(p), InputKind::Data(data)) => p.write_all(data).await,
+        (Sink::Pty(p), InputKind::Data(data)) => p.write_all(data).await,
+        (Sink::Pty(p), InputKind::Eof) => p.write_all(&[p.eof_char()]).await,
+        // Pipes are closed by dropping the queue; an EOF is never queued for one.
+        (Sink::Pipe(_), InputKind::Eof) => Err(std::io::ErrorKind::BrokenPipe.into()),
+    }
+}
+
 async fn stdin_writer(
-    mut pipe: pipe::Sender,
-    mut rx: mpsc::UnboundedReceiver<(Bytes, OwnedSemaphorePermit)>,
+    mut sink: Sink,
+    mut rx: mpsc::UnboundedReceiver<Input>,
     forgotten: CancellationToken,
 ) {
-    use tokio::io::AsyncWriteExt;
     loop {
         let msg = tokio::select! {
             m = rx.recv() => m,
             _ = forgotten.cancelled() => None,
         };
-        // The permit is released once the bytes are in the pipe.
-        let Some((data, _permit)) = msg else { return };
+        // The permit is released once the bytes are written.
+        let Some(input) = msg else { return };
         let r = tokio::select! {
-            r = pipe.write_all(&data) => r,
+            r = write_input(&mut sink, &input.what) => r,
             _ = forgotten.cancelled() => return,
         };
         if r.is_err() {
@@ -407,6 +537,16 @@ enum Read {
     Data(usize),
     Eof,
     Again,
+}
+
+impl From<PtyRead> for Read {
+    fn from(r: PtyRead) -> Read {
+        match r {
+            PtyRead::Data(n) => Read::Data(n),
+            PtyRead::Eof => Read::Eof,
+            PtyRead::Again => Read::Again,
+        }
+    }
 }
 
 fn try_read(p: &pipe::Receiver, buf: &mut [u8]) -> Read {
@@ -442,16 +582,16 @@ fn read_now(p: &pipe::Receiver, buf: &mut [u8]) -> Read {
     }
 }
 
-async fn readable(p: Option<&pipe::Receiver>) -> std::io::Result<()> {
+async fn readable(p: Option<&Source>) -> std::io::Result<()> {
     match p {
         Some(p) => p.readable().await,
         None => std::future::pending().await,
     }
 }
 
-/// Moves a command's output from its pipes into its retained queue until the
-/// main process has been reaped and the pipes are drained, then finishes it.
-pub async fn pump(cmd: Arc<Cmd>, stdout: Option<pipe::Receiver>, stderr: Option<pipe::Receiver>) {
+/// Moves a command's output from its pipes (or terminal) into its retained queue
+/// until the main process has been reaped and they are drained, then finishes it.
+pub async fn pump(cmd: Arc<Cmd>, stdout: Option<Source>, stderr: Option<Source>) {
     let mut pipes = [stdout, stderr];
     let mut buf = vec![0u8; MAX_DATA_CHUNK];
 
@@ -470,7 +610,7 @@ pub async fn pump(cmd: Arc<Cmd>, stdout: Option<pipe::Receiver>, stderr: Option<
         let read = match (&pipes[s], r) {
             (Some(p), Ok(())) => {
                 let n = room[s].min(MAX_DATA_CHUNK);
-                try_read(p, &mut buf[..n])
+                p.try_read(&mut buf[..n])
             }
             _ => Read::Eof,
         };
@@ -495,7 +635,7 @@ pub async fn pump(cmd: Arc<Cmd>, stdout: Option<pipe::Receiver>, stderr: Option<
                 }
             }
             let n = room.min(MAX_DATA_CHUNK).min(DRAIN_LIMIT - drained);
-            match read_now(&p, &mut buf[..n]) {
+            match p.read_now(&mut buf[..n]) {
                 Read::Data(n) => {
                     cmd.push(s, &buf[..n]);
                     drained += n;

@@ -22,7 +22,8 @@ use tokio::net::unix::pipe;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use crate::command::{self, AttachError, Cmd};
+use crate::command::{self, AttachError, Cmd, Sink, Source};
+use crate::pty::Pty;
 use crate::reaper::{Reaper, SignalError};
 use crate::spawn;
 
@@ -239,11 +240,24 @@ async fn spawn_command(agent: Arc<Agent>, body: Incoming) -> Response<Body> {
             stdin,
             stdout,
             stderr,
+            pty,
         } => {
-            let out = stdout.and_then(|fd| pipe::Receiver::from_owned_fd(fd).ok());
-            let err = stderr.and_then(|fd| pipe::Receiver::from_owned_fd(fd).ok());
+            let mut out = stdout
+                .and_then(|fd| pipe::Receiver::from_owned_fd(fd).ok())
+                .map(Source::Pipe);
+            let err = stderr
+                .and_then(|fd| pipe::Receiver::from_owned_fd(fd).ok())
+                .map(Source::Pipe);
             if let Some(tx) = stdin.and_then(|fd| pipe::Sender::from_owned_fd(fd).ok()) {
-                cmd.set_stdin(command::start_stdin_writer(&cmd, tx));
+                cmd.set_stdin(command::start_stdin_writer(&cmd, Sink::Pipe(tx)));
+            }
+            // Registering a fresh descriptor fails only if the runtime's epoll
+            // does; the master is closed then, and the terminal hangs up
+            // (SIGHUP), as when a terminal window is closed.
+            if let Some(pty) = pty.and_then(|fd| Pty::new(fd).ok()).map(Arc::new) {
+                cmd.set_pty(pty.clone());
+                cmd.set_stdin(command::start_stdin_writer(&cmd, Sink::Pty(pty.clone())));
+                out = Some(Source::Pty(pty));
             }
             tokio::spawn(command::pump(cmd.clone(), out, err));
             if let Some(ms) = timeout {
@@ -251,7 +265,12 @@ async fn spawn_command(agent: Arc<Agent>, body: Incoming) -> Response<Body> {
                 let after = Duration::from_millis(ms).min(MAX_TIMEOUT);
                 tokio::spawn(async move {
                     tokio::select! {
-                        _ = tokio::time::sleep(after) => agent.reaper.kill_for_timeout(&cmd),
+                        _ = tokio::time::sleep(after) => {
+                            let _ = tokio::task::spawn_blocking(move || {
+                                agent.reaper.kill_for_timeout(&cmd)
+                            })
+                            .await;
+                        }
                         _ = cmd.reaped.cancelled() => {}
                     }
                 });
@@ -295,7 +314,12 @@ async fn signal(agent: &Agent, id: &str, body: Incoming) -> Response<Body> {
             format!("invalid signal {}", req.signal),
         );
     }
-    match agent.reaper.signal(&cmd, req.signal) {
+    let reaper = agent.reaper.clone();
+    let sig = req.signal;
+    let result = tokio::task::spawn_blocking(move || reaper.signal(&cmd, sig))
+        .await
+        .unwrap_or_else(|e| Err(SignalError::Os(std::io::Error::other(e))));
+    match result {
         Ok(()) => empty(StatusCode::NO_CONTENT),
         Err(SignalError::NotRunning) => error(
             StatusCode::CONFLICT,
@@ -413,9 +437,19 @@ async fn read_host_frames(
                         }
                     }
                 }
-                Frame::StdinEof => cmd.close_stdin(),
-                // Terminals come with the PTY support; until then a resize has nothing to act on.
-                Frame::Resize(_) => {}
+                Frame::StdinEof => {
+                    if let Some(stdin) = cmd.end_stdin() {
+                        tokio::select! {
+                            _ = stdin.send_eof() => {}
+                            _ = cancel.cancelled() => return,
+                        }
+                    }
+                }
+                Frame::Resize(size) => {
+                    // Awaited, so that input after a resize reaches the command after it.
+                    let cmd = cmd.clone();
+                    let _ = tokio::task::spawn_blocking(move || cmd.resize(size)).await;
+                }
                 Frame::Done => {
                     // Only an exited command can be forgotten; the host sends
                     // Done after the Exit frame, so anything else is ignored.

@@ -7,8 +7,10 @@
 
 mod command;
 mod http;
+mod pty;
 mod reaper;
 mod spawn;
+mod tree;
 mod users;
 
 use std::convert::Infallible;

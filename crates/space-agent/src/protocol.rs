@@ -16,7 +16,9 @@
 //!   stream of agent frames ([`Frame::Stdout`], [`Frame::Stderr`], then one [`Frame::Exit`]),
 //!   starting at the given offsets; the request body is a stream of host frames
 //!   ([`Frame::Ack`], [`Frame::Stdin`], [`Frame::StdinEof`], [`Frame::Done`], [`Frame::Resize`]).
-//! - `POST /v1/commands/{id}/signal` with a [`SignalRequest`]: signals the command's process group.
+//! - `POST /v1/commands/{id}/signal` with a [`SignalRequest`]: signals the command's process
+//!   group and its processes that left it (`setsid`, daemons); SIGKILL kills all of them.
+//!   Processes a command leaves behind once its main process has exited are not signalled.
 //! - `DELETE /v1/commands/{id}`: forget an exited command (same as [`Frame::Done`]).
 //! - `POST /v1/quiesce`: drop the host connection now (a checkpoint cannot save an open
 //!   host socket); the agent keeps its commands and dials again with backoff.
@@ -84,7 +86,8 @@ pub struct SpawnRequest {
     pub id: String,
     /// Program and arguments; `argv[0]` is looked up in `PATH` if it has no `/`.
     pub argv: Vec<String>,
-    /// The complete environment of the command (the agent adds nothing).
+    /// The complete environment of the command. The agent adds only `HOME` when it
+    /// is absent, and `TERM=xterm-256color` on a terminal when `TERM` is absent.
     pub env: Vec<(String, String)>,
     /// Working directory; the user's home (or `/`) when absent.
     #[serde(default)]
@@ -92,16 +95,19 @@ pub struct SpawnRequest {
     /// `name`, `uid` or `uid:gid`; root when absent.
     #[serde(default)]
     pub user: Option<String>,
-    /// Kill the process group with SIGKILL after this long; no limit when absent or 0.
+    /// Kill every process of the command (its process group and the processes that
+    /// left it) with SIGKILL after this long; no limit when absent or 0.
     #[serde(default)]
     pub timeout_ms: Option<u64>,
     /// Give the command a stdin pipe fed by [`Frame::Stdin`]; `/dev/null` otherwise.
+    /// Ignored with `pty`: the terminal is the command's stdin and always takes input.
     #[serde(default)]
     pub stdin: bool,
     /// Run the command on a new pseudo-terminal of this size (it becomes the
     /// controlling terminal of the command's session). Its output, stdout and
     /// stderr together, comes as [`Frame::Stdout`]; [`Frame::Stdin`] writes to it
-    /// and [`Frame::Resize`] resizes it.
+    /// and [`Frame::Resize`] resizes it (its foreground process group gets SIGWINCH).
+    /// [`Frame::StdinEof`] types the terminal's EOF character (^D) rather than closing it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pty: Option<PtySize>,
 }
@@ -277,7 +283,7 @@ pub enum Frame {
     },
     /// Host → agent: bytes for the command's stdin.
     Stdin(Bytes),
-    /// Host → agent: close the command's stdin.
+    /// Host → agent: close the command's stdin (on a terminal: type its EOF character).
     StdinEof,
     /// Host → agent: the result is stored; forget the command.
     Done,

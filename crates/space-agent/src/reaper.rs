@@ -5,6 +5,9 @@
 //! Spawning and reaping take the same lock: a child that exits at once cannot
 //! be reaped before its pid is registered, and a pid that is signalled under the
 //! lock cannot be reaped (and so reused) meanwhile.
+//!
+//! Signals reach the whole command, not only its process group: see `tree` for
+//! how processes that left it (`setsid`, daemons) are found.
 
 use std::collections::HashMap;
 use std::io;
@@ -13,6 +16,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use tokio::signal::unix::Signal;
 
 use crate::command::Cmd;
+use crate::tree::{self, Marks};
 
 #[derive(Debug, Default)]
 pub struct Reaper {
@@ -69,39 +73,52 @@ impl Reaper {
     }
 
     /// Sends `sig` to the command's process group (to the process alone if the
-    /// group is gone).
+    /// group is gone), then to the command's processes outside the group. SIGKILL
+    /// kills every process of the command. Blocking (scans `/proc`).
     pub fn signal(&self, cmd: &Cmd, sig: i32) -> Result<(), SignalError> {
         let _pids = self.lock();
         let pid = cmd.running_pid().ok_or(SignalError::NotRunning)?;
         let pid = i32::try_from(pid).map_err(|_| SignalError::NotRunning)?;
-        // SAFETY: plain syscalls. The pid is ours and unreaped (we hold the lock).
-        if unsafe { libc::kill(-pid, sig) } == 0 {
+        let marks = Marks {
+            root: pid,
+            tag: cmd.tag(),
+        };
+        if sig == libc::SIGKILL {
+            tree::kill_all(marks);
             return Ok(());
         }
-        let group_err = io::Error::last_os_error();
-        if group_err.raw_os_error() == Some(libc::ESRCH) {
+        let escaped = tree::escaped(marks);
+        // SAFETY: plain syscalls. The pid is ours and unreaped (we hold the lock).
+        let result = if unsafe { libc::kill(-pid, sig) } == 0 {
+            Ok(())
+        } else {
+            let group_err = io::Error::last_os_error();
+            if group_err.raw_os_error() != Some(libc::ESRCH) {
+                return Err(SignalError::Os(group_err));
+            }
             // SAFETY: as above.
             if unsafe { libc::kill(pid, sig) } == 0 {
-                return Ok(());
+                Ok(())
+            } else {
+                Err(SignalError::Os(io::Error::last_os_error()))
             }
-            return Err(SignalError::Os(io::Error::last_os_error()));
-        }
-        Err(SignalError::Os(group_err))
+        };
+        tree::signal_each(&escaped, sig);
+        result
     }
 
-    /// Kills a command whose timeout passed, if it still runs.
+    /// Kills every process of a command whose timeout passed, if it still runs.
+    /// Blocking (scans `/proc`).
     pub fn kill_for_timeout(&self, cmd: &Cmd) {
         let _pids = self.lock();
         let Some(pid) = cmd.running_pid().and_then(|p| i32::try_from(p).ok()) else {
             return;
         };
         cmd.mark_timed_out();
-        // SAFETY: plain syscalls on our own unreaped child.
-        unsafe {
-            if libc::kill(-pid, libc::SIGKILL) != 0 {
-                libc::kill(pid, libc::SIGKILL);
-            }
-        }
+        tree::kill_all(Marks {
+            root: pid,
+            tag: cmd.tag(),
+        });
     }
 }
 

@@ -1,10 +1,11 @@
 //! Turning a [`SpawnRequest`] into a running process: user, environment,
-//! working directory, `PATH` lookup, and the child-side set-up (own session,
-//! default signals, dropped privileges) that std's `Command` does not do.
+//! working directory, `PATH` lookup, terminal, and the child-side set-up (own
+//! session, controlling terminal, default signals, the tag that `tree` finds
+//! its processes by, dropped privileges) that std's `Command` does not do.
 
 use std::ffi::CString;
 use std::io;
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::process::CommandExt;
@@ -16,7 +17,10 @@ use space_agent::protocol::SpawnRequest;
 
 use crate::command::Cmd;
 use crate::reaper::Reaper;
-use crate::users;
+use crate::{pty, tree, users};
+
+/// `TERM` of a command on a terminal when its environment has none.
+const DEFAULT_TERM: &str = "xterm-256color";
 
 /// `PATH` when the request's environment has none.
 pub const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
@@ -44,6 +48,8 @@ pub enum Outcome {
         stdin: Option<OwnedFd>,
         stdout: Option<OwnedFd>,
         stderr: Option<OwnedFd>,
+        /// The terminal's master, for a command on a terminal (which has no pipes).
+        pty: Option<OwnedFd>,
     },
     /// The program could not be started; the command ends with `code`.
     Failed { code: i32, reason: String },
@@ -108,6 +114,9 @@ pub fn start(reaper: &Reaper, cmd: &Arc<Cmd>, req: &SpawnRequest) -> Outcome {
     if !env.iter().any(|(k, _)| k == "HOME") {
         env.push(("HOME".into(), ident.home.clone()));
     }
+    if req.pty.is_some() && !env.iter().any(|(k, _)| k == "TERM") {
+        env.push(("TERM".into(), DEFAULT_TERM.into()));
+    }
     let last = |name: &str| {
         env.iter()
             .rev()
@@ -156,17 +165,43 @@ pub fn start(reaper: &Reaper, cmd: &Arc<Cmd>, req: &SpawnRequest) -> Outcome {
     };
 
     let mut c = std::process::Command::new(&program);
-    c.arg0(argv0)
-        .args(&req.argv[1..])
-        .env_clear()
-        .envs(env)
-        .stdin(if req.stdin {
+    c.arg0(argv0).args(&req.argv[1..]).env_clear().envs(env);
+    let mut master = None;
+    if let Some(size) = req.pty {
+        let (m, slave) = match pty::open(size) {
+            Ok(pair) => pair,
+            Err(e) => {
+                return failed(
+                    CANNOT_RUN,
+                    format!("cannot open a terminal: {}", describe(&e)),
+                )
+            }
+        };
+        if ident.uid != 0 {
+            // The user owns their terminal, as after a login; best effort, the
+            // command has it open either way.
+            // SAFETY: plain syscall on a descriptor we own.
+            unsafe { libc::fchown(slave.as_raw_fd(), ident.uid, libc::gid_t::MAX) };
+        }
+        let (Ok(a), Ok(b)) = (slave.try_clone(), slave.try_clone()) else {
+            return failed(CANNOT_RUN, "cannot open a terminal: out of descriptors");
+        };
+        c.stdin(Stdio::from(a))
+            .stdout(Stdio::from(b))
+            .stderr(Stdio::from(slave));
+        master = Some(m);
+    } else {
+        c.stdin(if req.stdin {
             Stdio::piped()
         } else {
             Stdio::null()
         })
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
+    }
+    let on_pty = master.is_some();
+    let tag = tree::new_tag();
+    cmd.set_tag(tag);
 
     // std changes uid/gid and the directory before pre_exec closures run, and
     // would leave supplementary groups empty; do all of it here instead, in order.
@@ -179,6 +214,14 @@ pub fn start(reaper: &Reaper, cmd: &Arc<Cmd>, req: &SpawnRequest) -> Outcome {
         c.pre_exec(move || {
             if libc::setsid() < 0 {
                 return Err(io::Error::last_os_error());
+            }
+            // std has made the terminal our stdin by now; a session leader
+            // without a controlling terminal takes it with this.
+            if on_pty && libc::ioctl(0, libc::TIOCSCTTY, 0) != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            if let Some(tag) = tag {
+                tree::apply_tag(tag);
             }
             let mut set = std::mem::MaybeUninit::<libc::sigset_t>::zeroed();
             libc::sigemptyset(set.as_mut_ptr());
@@ -214,12 +257,15 @@ pub fn start(reaper: &Reaper, cmd: &Arc<Cmd>, req: &SpawnRequest) -> Outcome {
         });
     }
 
+    // `c` holds our copies of the terminal's slave until this returns: the
+    // master reads EIO once only the command and its children have it open.
     match reaper.spawn(&mut c, cmd) {
         Ok(mut child) => Outcome::Started {
             pid: child.id(),
             stdin: child.stdin.take().map(OwnedFd::from),
             stdout: child.stdout.take().map(OwnedFd::from),
             stderr: child.stderr.take().map(OwnedFd::from),
+            pty: master,
         },
         Err(e) if e.kind() == io::ErrorKind::NotFound => failed(NOT_FOUND, describe(&e)),
         Err(e) => failed(CANNOT_RUN, describe(&e)),

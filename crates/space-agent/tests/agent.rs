@@ -1,5 +1,11 @@
 //! Runs the real agent binary as a child process and plays the host: listens on
 //! the socket, checks the handshake, then speaks HTTP/2 to the agent.
+//!
+//! With `SPACE_AGENT_TEST_RUNSC` (a `runsc` binary) and `SPACE_AGENT_TEST_ROOTFS`
+//! (a root filesystem, e.g. a Debian template) set, and `SPACE_AGENT_BIN` naming a
+//! static agent, the agent runs as PID 1 of a gVisor sandbox instead, as in
+//! production (root only). Tests only name paths inside their temporary
+//! directory, which the sandbox sees at [`Host::guest_dir`].
 
 use std::convert::Infallible;
 use std::path::PathBuf;
@@ -18,7 +24,7 @@ use hyper::client::conn::http2::SendRequest;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use serde_json::{json, Value};
 use space_agent::protocol::{
-    self, CommandInfo, ExitStatus, Frame, FrameDecoder, Hello, HelloReply, SpawnReply,
+    self, CommandInfo, ExitStatus, Frame, FrameDecoder, Hello, HelloReply, PtySize, SpawnReply,
     MAX_DATA_CHUNK, PROTOCOL_VERSION, RETAIN_MAX_BYTES,
 };
 use tokio::io::AsyncWriteExt;
@@ -68,18 +74,72 @@ struct Host {
     token: String,
     token_file: PathBuf,
     dir: TempDir,
+    /// `dir` as the agent and its commands see it.
+    guest_dir: PathBuf,
+    /// runsc mode: the `runsc` command line (with `--root`) and the container id.
+    sandbox: Option<(Vec<String>, String)>,
 }
 
 impl Drop for Host {
     fn drop(&mut self) {
+        match &self.sandbox {
+            Some((runsc, id)) => {
+                let _ = Command::new(&runsc[0])
+                    .args(&runsc[1..])
+                    .args(["delete", "--force", id])
+                    .status();
+            }
+            // Whatever the agent's commands left running (its orphans would
+            // outlive it, re-parented to the host's init).
+            None => kill_descendants(self.agent.id()),
+        }
         let _ = self.agent.kill();
         let _ = self.agent.wait();
+    }
+}
+
+/// SIGKILLs every descendant of `pid` (a test process's view of `/proc`).
+fn kill_descendants(pid: u32) {
+    let stat = |p: &str| -> Option<(u32, u32)> {
+        let text = std::fs::read_to_string(format!("/proc/{p}/stat")).ok()?;
+        let (head, rest) = text.rsplit_once(')')?;
+        let pid = head.split_once(" (")?.0.parse().ok()?;
+        let ppid = rest.split_ascii_whitespace().nth(1)?.parse().ok()?;
+        Some((pid, ppid))
+    };
+    for _ in 0..10 {
+        let procs: Vec<(u32, u32)> = std::fs::read_dir("/proc")
+            .into_iter()
+            .flatten()
+            .filter_map(|e| stat(e.ok()?.file_name().to_str()?))
+            .collect();
+        let mut found = vec![pid];
+        let mut i = 0;
+        while i < found.len() {
+            let parent = found[i];
+            found.extend(procs.iter().filter(|p| p.1 == parent).map(|p| p.0));
+            i += 1;
+        }
+        if found.len() == 1 {
+            return;
+        }
+        for p in &found[1..] {
+            // SAFETY: plain syscall.
+            unsafe { libc::kill(*p as i32, libc::SIGKILL) };
+        }
+        std::thread::sleep(Duration::from_millis(20));
     }
 }
 
 impl Host {
     fn start() -> Host {
         let dir = TempDir::new();
+        let runsc = std::env::var("SPACE_AGENT_TEST_RUNSC").ok();
+        let guest_dir = if runsc.is_some() {
+            PathBuf::from("/.space/run")
+        } else {
+            dir.0.clone()
+        };
         let socket = dir.0.join("agent.sock");
         let token_file = dir.0.join("token");
         let token = format!("tok-{}", std::process::id());
@@ -89,19 +149,60 @@ impl Host {
         let bin = std::env::var_os("SPACE_AGENT_BIN")
             .map(PathBuf::from)
             .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_space-agent")));
-        let agent = Command::new(bin)
-            .env("SPACE_AGENT_SOCKET", &socket)
-            .env("SPACE_SANDBOX_ID", SANDBOX)
-            .env("SPACE_AGENT_TOKEN_FILE", &token_file)
-            .stdin(Stdio::null())
-            .spawn()
-            .expect("start agent");
+        let env = [
+            ("SPACE_AGENT_SOCKET", guest_dir.join("agent.sock")),
+            ("SPACE_SANDBOX_ID", PathBuf::from(SANDBOX)),
+            ("SPACE_AGENT_TOKEN_FILE", guest_dir.join("token")),
+        ];
+        let (agent, sandbox) = match runsc {
+            None => {
+                let agent = Command::new(bin)
+                    .envs(env)
+                    .stdin(Stdio::null())
+                    .spawn()
+                    .expect("start agent");
+                (agent, None)
+            }
+            Some(runsc) => {
+                let rootfs = std::env::var("SPACE_AGENT_TEST_ROOTFS")
+                    .expect("SPACE_AGENT_TEST_ROOTFS with SPACE_AGENT_TEST_RUNSC");
+                let id = dir
+                    .0
+                    .file_name()
+                    .and_then(|n| n.to_str())
+                    .expect("temp dir name")
+                    .to_string();
+                let bundle = dir.0.join("bundle");
+                std::fs::create_dir_all(&bundle).expect("bundle dir");
+                let spec = sandbox_spec(&rootfs, &bin, &dir.0, &env);
+                std::fs::write(bundle.join("config.json"), spec.to_string()).expect("spec");
+                let runsc = vec![
+                    runsc,
+                    format!("--root={}", dir.0.join("runsc").display()),
+                    "--platform=systrap".into(),
+                    "--network=none".into(),
+                    "--host-uds=open".into(),
+                    "--overlay2=root:memory".into(),
+                ];
+                let agent = Command::new(&runsc[0])
+                    .args(&runsc[1..])
+                    .args(["run", "--bundle"])
+                    .arg(&bundle)
+                    .arg(&id)
+                    .stdin(Stdio::null())
+                    .spawn()
+                    .expect("start runsc");
+                (agent, Some((runsc, id)))
+            }
+        };
         Host {
             listener,
             agent,
             token,
             token_file,
             dir,
+            guest_dir,
+            sandbox,
         }
     }
 
@@ -135,6 +236,72 @@ impl Host {
         });
         Conn { send, task }
     }
+}
+
+/// An OCI spec like the gVisor driver's: the agent as PID 1 with the same
+/// capabilities and /dev, the test directory at `/.space/run`.
+fn sandbox_spec(
+    rootfs: &str,
+    bin: &std::path::Path,
+    dir: &std::path::Path,
+    env: &[(&str, PathBuf)],
+) -> Value {
+    let caps = [
+        "CAP_CHOWN",
+        "CAP_DAC_OVERRIDE",
+        "CAP_FSETID",
+        "CAP_FOWNER",
+        "CAP_MKNOD",
+        "CAP_NET_RAW",
+        "CAP_SETGID",
+        "CAP_SETUID",
+        "CAP_SETFCAP",
+        "CAP_SETPCAP",
+        "CAP_NET_BIND_SERVICE",
+        "CAP_SYS_CHROOT",
+        "CAP_KILL",
+        "CAP_AUDIT_WRITE",
+    ];
+    let bin_dir = bin.parent().expect("agent directory");
+    let bin_name = bin
+        .file_name()
+        .and_then(|n| n.to_str())
+        .expect("agent name");
+    let env: Vec<String> = env
+        .iter()
+        .map(|(k, v)| format!("{k}={}", v.display()))
+        .collect();
+    json!({
+        "ociVersion": "1.0.2",
+        "process": {
+            "terminal": false,
+            "user": {"uid": 0, "gid": 0},
+            "args": [format!("/.space/bin/{bin_name}")],
+            "env": env,
+            "cwd": "/",
+            "capabilities": {"bounding": caps, "effective": caps, "permitted": caps},
+            "noNewPrivileges": false
+        },
+        "root": {"path": rootfs, "readonly": false},
+        "hostname": "agent-test",
+        "mounts": [
+            {"destination": "/proc", "type": "proc", "source": "proc"},
+            {"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
+             "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]},
+            {"destination": "/dev/pts", "type": "devpts", "source": "devpts",
+             "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"]},
+            {"destination": "/.space/bin", "type": "bind", "source": bin_dir,
+             "options": ["rbind", "ro"]},
+            {"destination": "/.space/run", "type": "bind", "source": dir,
+             "options": ["rbind", "rw"]}
+        ],
+        "linux": {
+            "namespaces": [
+                {"type": "pid"}, {"type": "network"}, {"type": "ipc"},
+                {"type": "uts"}, {"type": "mount"}
+            ]
+        }
+    })
 }
 
 /// A request body the test feeds frame by frame.
@@ -366,6 +533,67 @@ impl Attach {
 
 fn sh(id: &str, script: &str) -> Value {
     json!({"id": id, "argv": ["sh", "-c", script], "env": [["PATH", "/usr/bin:/bin"]]})
+}
+
+/// A command on a new `rows`x`cols` terminal.
+fn on_pty(id: &str, argv: &[&str], rows: u16, cols: u16) -> Value {
+    json!({
+        "id": id,
+        "argv": argv,
+        "env": [["PATH", "/usr/bin:/bin"]],
+        "pty": {"rows": rows, "cols": cols}
+    })
+}
+
+/// Runs a shell script to its end and returns what it printed and how it ended.
+async fn run(conn: &mut Conn, id: &str, script: &str) -> Output {
+    conn.spawn(sh(id, script)).await;
+    conn.attach(id, 0, 0).await.collect(true).await
+}
+
+/// Whether `pid` (as the agent sees it) is a live process, asked from inside.
+async fn alive(conn: &mut Conn, id: &str, pid: u32) -> bool {
+    let script = format!("grep -q '^State:[[:space:]]*[^Z]' /proc/{pid}/status");
+    run(conn, id, &script).await.exit.and_then(|e| e.exit_code) == Some(0)
+}
+
+/// Whether `pid` is gone (and reaped) within a few seconds, asked from inside.
+async fn gone(conn: &mut Conn, id: &str, pid: u32) -> bool {
+    let script = format!(
+        "i=0; while [ -e /proc/{pid} ] && [ $i -lt 1000 ]; do sleep 0.01; i=$((i+1)); done; [ ! -e /proc/{pid} ]"
+    );
+    run(conn, id, &script).await.exit.and_then(|e| e.exit_code) == Some(0)
+}
+
+/// A pid a command wrote to `name` in the test directory.
+fn read_pid(host: &Host, name: &str) -> u32 {
+    let path = host.dir.0.join(name);
+    let text = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("{}: {e} (the process never started?)", path.display()));
+    text.trim()
+        .parse()
+        .unwrap_or_else(|_| panic!("{}: not a pid: {text:?}", path.display()))
+}
+
+impl Attach {
+    /// Reads stdout (acknowledging it) into `out` until it contains `needle`.
+    async fn read_until(&mut self, out: &mut Vec<u8>, needle: &str) {
+        while !String::from_utf8_lossy(out).contains(needle) {
+            match self.next().await {
+                Some(Frame::Stdout { data, .. }) => out.extend_from_slice(&data),
+                other => panic!(
+                    "waiting for {needle:?} after {:?}: got {other:?}",
+                    String::from_utf8_lossy(out)
+                ),
+            }
+            self.ack().await;
+        }
+    }
+}
+
+/// Terminal output with the terminal's `\r\n` line ends made plain.
+fn text(out: &[u8]) -> String {
+    String::from_utf8_lossy(out).replace("\r\n", "\n")
 }
 
 #[tokio::test]
@@ -697,7 +925,7 @@ async fn output_survives_a_reconnect() {
     let trigger = host.dir.0.join("go");
     let script = format!(
         "printf first; while [ ! -e {} ]; do sleep 0.01; done; printf second; printf third >&2",
-        trigger.display()
+        host.guest_dir.join("go").display()
     );
     conn.spawn(sh("resume", &script)).await;
     let mut a = conn.attach("resume", 0, 0).await;
@@ -770,4 +998,194 @@ async fn background_children_do_not_hold_a_command_and_orphans_are_reaped() {
         Some(0),
         "orphan {bg} was reaped"
     );
+}
+
+#[tokio::test]
+async fn commands_on_a_terminal() {
+    let host = Host::start();
+    let mut conn = host.accept().await;
+    let script = "tty; stty size; echo $TERM";
+    conn.spawn(on_pty("tty", &["sh", "-c", script], 24, 80))
+        .await;
+    let out = conn.attach("tty", 0, 0).await.collect(true).await;
+    let got = text(&out.stdout);
+    let lines: Vec<&str> = got.lines().collect();
+    assert_eq!(lines.len(), 3, "{got:?}");
+    assert!(lines[0].starts_with("/dev/pts/"), "{got:?}");
+    assert_eq!(lines[1..], ["24 80", "xterm-256color"]);
+    assert!(out.stderr.is_empty(), "a terminal's stderr is its stdout");
+    assert_eq!(out.exit.and_then(|e| e.exit_code), Some(0));
+
+    // The request's TERM wins; stderr comes on the terminal too.
+    let mut req = on_pty("term", &["sh", "-c", "echo $TERM >&2; exit 4"], 10, 20);
+    req["env"] = json!([["PATH", "/usr/bin:/bin"], ["TERM", "vt100"]]);
+    conn.spawn(req).await;
+    let out = conn.attach("term", 0, 0).await.collect(true).await;
+    assert_eq!(text(&out.stdout), "vt100\n");
+    assert!(out.stderr.is_empty());
+    assert_eq!(out.exit.and_then(|e| e.exit_code), Some(4));
+
+    // SAFETY: plain syscall.
+    if unsafe { libc::geteuid() } == 0 {
+        // Another user gets the terminal as its controlling one (^C reaches
+        // it), and owns it. (gVisor cannot open /dev/tty, so no `</dev/tty`.)
+        let script = "id -u; [ -O \"$(tty)\" ] && echo owner; stty size; exec sleep 100";
+        let mut req = on_pty("user", &["sh", "-c", script], 5, 6);
+        req["user"] = json!("nobody");
+        conn.spawn(req).await;
+        let mut a = conn.attach("user", 0, 0).await;
+        let mut out = Vec::new();
+        a.read_until(&mut out, "5 6\r\n").await;
+        a.send(Frame::Stdin(Bytes::from_static(b"\x03"))).await;
+        let rest = a.collect(true).await;
+        out.extend_from_slice(&rest.stdout);
+        assert!(
+            text(&out).starts_with("65534\nowner\n5 6\n"),
+            "{:?}",
+            text(&out)
+        );
+        assert_eq!(rest.exit.and_then(|e| e.signal), Some(libc::SIGINT));
+    }
+}
+
+#[tokio::test]
+async fn a_terminal_is_resized() {
+    let host = Host::start();
+    let mut conn = host.accept().await;
+    let script = "trap 'stty size' WINCH; echo ready; while true; do sleep 0.1; done";
+    conn.spawn(on_pty("winch", &["sh", "-c", script], 24, 80))
+        .await;
+    let mut a = conn.attach("winch", 0, 0).await;
+    let mut out = Vec::new();
+    a.read_until(&mut out, "ready\r\n").await;
+    a.send(Frame::Resize(PtySize {
+        rows: 40,
+        cols: 100,
+    }))
+    .await;
+    a.read_until(&mut out, "40 100\r\n").await;
+    let (status, _) = conn
+        .request(
+            Method::POST,
+            "/v1/commands/winch/signal",
+            Some(json!({"signal": 9})),
+        )
+        .await;
+    assert!(status.is_success(), "{status}");
+    assert_eq!(a.collect(true).await.exit.and_then(|e| e.signal), Some(9));
+
+    // Without a terminal a resize is ignored.
+    conn.spawn(json!({"id": "cat", "argv": ["cat"], "env": [], "stdin": true}))
+        .await;
+    let mut a = conn.attach("cat", 0, 0).await;
+    a.send(Frame::Resize(PtySize { rows: 1, cols: 1 })).await;
+    a.send(Frame::Stdin(Bytes::from_static(b"x"))).await;
+    a.send(Frame::StdinEof).await;
+    let out = a.collect(true).await;
+    assert_eq!(out.stdout, b"x");
+    assert_eq!(out.exit.and_then(|e| e.exit_code), Some(0));
+}
+
+#[tokio::test]
+async fn terminal_input_echo_eof_and_interrupt() {
+    let host = Host::start();
+    let mut conn = host.accept().await;
+    conn.spawn(on_pty("cat", &["cat"], 24, 80)).await;
+    let mut a = conn.attach("cat", 0, 0).await;
+    a.send(Frame::Stdin(Bytes::from_static(b"hello\n"))).await;
+    let mut out = Vec::new();
+    // The terminal's echo, then cat's copy.
+    a.read_until(&mut out, "hello\r\nhello\r\n").await;
+    // End of input on a terminal is its EOF character, which ends cat.
+    a.send(Frame::StdinEof).await;
+    let rest = a.collect(true).await;
+    assert_eq!(rest.exit.and_then(|e| e.exit_code), Some(0));
+
+    // ^C interrupts the terminal's foreground process.
+    conn.spawn(on_pty("sleep", &["sleep", "100"], 24, 80)).await;
+    let mut a = conn.attach("sleep", 0, 0).await;
+    a.send(Frame::Stdin(Bytes::from_static(b"\x03"))).await;
+    let exit = a.collect(true).await.exit.expect("exit");
+    assert_eq!(exit.signal, Some(libc::SIGINT), "{exit:?}");
+}
+
+#[tokio::test]
+async fn timeout_kills_processes_that_left_the_group() {
+    let host = Host::start();
+    let mut conn = host.accept().await;
+    let d = host.guest_dir.display();
+    // One daemon in a new session under a live parent, and one double-forked
+    // into a new session and re-parented to the agent.
+    let script = format!(
+        "setsid sh -c 'sleep 300 & echo $! > {d}/a; wait' & \
+         (setsid sh -c 'sleep 300 & echo $! > {d}/b; wait' &); \
+         sleep 300"
+    );
+    let mut req = sh("slow", &script);
+    req["timeout_ms"] = json!(1000);
+    conn.spawn(req).await;
+    let exit = conn
+        .attach("slow", 0, 0)
+        .await
+        .collect(true)
+        .await
+        .exit
+        .expect("exit");
+    assert!(exit.timed_out, "{exit:?}");
+    assert_eq!(exit.signal, Some(9));
+    for name in ["a", "b"] {
+        let pid = read_pid(&host, name);
+        assert!(
+            gone(&mut conn, "check", pid).await,
+            "{name}: {pid} survived"
+        );
+        let (status, _) = conn
+            .request(Method::DELETE, "/v1/commands/check", None)
+            .await;
+        assert_eq!(status, StatusCode::NO_CONTENT);
+    }
+}
+
+#[tokio::test]
+async fn signals_reach_processes_that_left_the_group() {
+    let host = Host::start();
+    let mut conn = host.accept().await;
+    let d = host.guest_dir.display();
+    for (id, sig) in [("kill", libc::SIGKILL), ("term", libc::SIGTERM)] {
+        let script =
+            format!("setsid sh -c 'sleep 300 & echo $! > {d}/{id}; echo ready; wait' & wait");
+        conn.spawn(sh(id, &script)).await;
+        let mut a = conn.attach(id, 0, 0).await;
+        a.read_until(&mut Vec::new(), "ready\n").await;
+        let (status, _) = conn
+            .request(
+                Method::POST,
+                &format!("/v1/commands/{id}/signal"),
+                Some(json!({ "signal": sig })),
+            )
+            .await;
+        assert!(status.is_success(), "{status}");
+        let exit = a.collect(true).await.exit.expect("exit");
+        assert_eq!(exit.signal, Some(sig), "{exit:?}");
+        assert!(!exit.timed_out);
+        let pid = read_pid(&host, id);
+        let check = format!("check-{id}");
+        assert!(gone(&mut conn, &check, pid).await, "{id}: {pid} survived");
+    }
+}
+
+#[tokio::test]
+async fn a_command_that_exits_leaves_its_daemons_running() {
+    let host = Host::start();
+    let mut conn = host.accept().await;
+    let out = run(&mut conn, "bg", "setsid sleep 300 & echo $!").await;
+    assert_eq!(out.exit.and_then(|e| e.exit_code), Some(0));
+    let pid: u32 = String::from_utf8_lossy(&out.stdout)
+        .trim()
+        .parse()
+        .expect("daemon pid");
+    assert!(alive(&mut conn, "alive", pid).await, "{pid} was killed");
+    let out = run(&mut conn, "kill", &format!("kill -9 {pid}")).await;
+    assert_eq!(out.exit.and_then(|e| e.exit_code), Some(0));
+    assert!(gone(&mut conn, "gone", pid).await, "{pid} survived");
 }

@@ -194,3 +194,98 @@ fn dev_mode_refuses_a_non_loopback_address() {
         text(&out.stderr)
     );
 }
+
+/// Text on the tmux pane.
+fn pane(session: &str) -> String {
+    let out = Command::new("tmux")
+        .args(["capture-pane", "-p", "-t", session])
+        .output()
+        .unwrap();
+    text(&out.stdout)
+}
+
+/// Waits until the pane shows `want`.
+async fn pane_shows(session: &str, want: &str) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while !pane(session).contains(want) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "pane never showed {want:?}:\n{}",
+            pane(session)
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+}
+
+fn keys(session: &str, keys: &[&str]) {
+    let st = Command::new("tmux")
+        .args(["send-keys", "-t", session])
+        .args(keys)
+        .status()
+        .unwrap();
+    assert!(st.success());
+}
+
+#[tokio::test]
+async fn exec_tty_behaves_like_ssh() {
+    let s = TestServer::start().await;
+    let sb = s.create("busybox").await;
+    let session = format!("space-test-{}", std::process::id());
+    let exit_file = s.data_dir().join("tty-exit");
+    let script = format!(
+        "SPACE_URL={} SPACE_TOKEN={TOKEN} {} exec -t {sb} -- sh; echo $? > {}",
+        s.url,
+        env!("CARGO_BIN_EXE_space"),
+        exit_file.display()
+    );
+    let st = Command::new("tmux")
+        .args([
+            "new-session",
+            "-d",
+            "-s",
+            &session,
+            "-x",
+            "100",
+            "-y",
+            "30",
+            &script,
+        ])
+        .status()
+        .unwrap();
+    assert!(st.success());
+    keys(&session, &["stty size", "Enter"]);
+    pane_shows(&session, "30 100").await;
+    // Ctrl-C reaches the program in the sandbox, and the shell survives it.
+    keys(&session, &["sleep 300", "Enter"]);
+    keys(&session, &["C-c"]);
+    keys(&session, &["echo still-here", "Enter"]);
+    pane_shows(&session, "still-here\n").await;
+    // Arrow keys: up recalls the last command line in the sandbox's shell.
+    keys(&session, &["clear", "Enter"]);
+    keys(&session, &["echo recalled", "Enter"]);
+    keys(&session, &["Up", "Enter"]);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while pane(&session).matches("recalled").count() < 4 {
+        assert!(std::time::Instant::now() < deadline, "{}", pane(&session));
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    // The window size follows.
+    let st = Command::new("tmux")
+        .args(["resize-window", "-t", &session, "-x", "120", "-y", "40"])
+        .status()
+        .unwrap();
+    assert!(st.success());
+    keys(&session, &["stty size", "Enter"]);
+    pane_shows(&session, "40 120").await;
+    keys(&session, &["exit 7", "Enter"]);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while !exit_file.exists() {
+        assert!(std::time::Instant::now() < deadline, "{}", pane(&session));
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    let _ = Command::new("tmux")
+        .args(["kill-session", "-t", &session])
+        .status();
+    assert_eq!(std::fs::read_to_string(&exit_file).unwrap().trim(), "7");
+    s.destroy(&sb).await;
+}

@@ -326,3 +326,125 @@ async fn an_output_flood_is_capped_keeps_its_tail_and_stalls_nobody() {
     s.destroy(&flood_sb).await;
     s.destroy(&calm_sb).await;
 }
+
+/// Reads from an attach socket until the stdout seen so far contains `want`.
+async fn read_until(
+    ws: &mut tokio_tungstenite::WebSocketStream<
+        tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>,
+    >,
+    seen: &mut String,
+    want: &str,
+) {
+    while !seen.contains(want) {
+        let msg = tokio::time::timeout(Duration::from_secs(20), ws.next())
+            .await
+            .unwrap_or_else(|_| panic!("no {want:?} in {seen:?}"))
+            .expect("socket open")
+            .expect("message");
+        match msg {
+            Message::Binary(b) if !b.is_empty() => seen.push_str(&String::from_utf8_lossy(&b[1..])),
+            Message::Text(t) => {
+                panic!("unexpected message {t} while waiting for {want:?} in {seen:?}")
+            }
+            _ => {}
+        }
+    }
+}
+
+#[tokio::test]
+async fn pty_commands_get_a_terminal_that_follows_resizes_and_ctrl_c() {
+    let s = TestServer::start().await;
+    let sb = s.create("busybox").await;
+    let cid = start(
+        &s,
+        &sb,
+        json!({"argv": ["sh"], "pty": {"rows": 24, "cols": 80}}),
+    )
+    .await;
+    let (_, cmd) = s.get(&format!("/v1/sandboxes/{sb}/commands/{cid}")).await;
+    assert_eq!(cmd["pty"]["rows"], 24);
+    let mut ws = attach(&s, &sb, &cid).await;
+    let mut seen = String::new();
+    ws.send(Message::Binary(b"stty size; tty; echo T=$TERM\n".to_vec()))
+        .await
+        .unwrap();
+    read_until(&mut ws, &mut seen, "24 80").await;
+    read_until(&mut ws, &mut seen, "/dev/pts/").await;
+    read_until(&mut ws, &mut seen, "T=xterm").await;
+    ws.send(Message::Text(
+        json!({"type": "resize", "rows": 40, "cols": 100}).to_string(),
+    ))
+    .await
+    .unwrap();
+    ws.send(Message::Binary(b"stty size\n".to_vec()))
+        .await
+        .unwrap();
+    read_until(&mut ws, &mut seen, "40 100").await;
+    // Ctrl-C interrupts the foreground program, not the shell.
+    ws.send(Message::Binary(b"sleep 300; echo slept\n".to_vec()))
+        .await
+        .unwrap();
+    ws.send(Message::Binary(vec![3])).await.unwrap();
+    ws.send(Message::Binary(b"echo after-ctrl-c\n".to_vec()))
+        .await
+        .unwrap();
+    read_until(&mut ws, &mut seen, "after-ctrl-c\r\n").await;
+    assert!(!seen.contains("\r\nslept\r\n"), "{seen}");
+    ws.send(Message::Binary(b"exit 3\n".to_vec()))
+        .await
+        .unwrap();
+    let (_, _, exit) = read_until_exit(&mut ws).await;
+    assert_eq!(exit["result"]["exit_code"], 3, "{exit}");
+    s.destroy(&sb).await;
+}
+
+#[tokio::test]
+async fn timeouts_and_kills_reach_setsid_descendants() {
+    let s = TestServer::start().await;
+    let sb = s.create("busybox").await;
+    // A daemon that leaves the command's session and process group.
+    let (st, cmd) = s
+        .post(
+            &format!("/v1/sandboxes/{sb}/commands"),
+            json!({
+                "shell": "setsid sh -c 'sleep 301' & sleep 302",
+                "timeout_seconds": 1,
+                "wait": true
+            }),
+        )
+        .await;
+    assert_eq!(st, 201);
+    assert_eq!(cmd["state"], "timed_out", "{cmd}");
+    assert_eq!(cmd["result"]["timed_out"], true);
+    let left = s.sh(&sb, "ps | grep -c '[s]leep 30[12]'").await;
+    assert_eq!(left["stdout"], "0\n", "{left}");
+    // The same for a KILL sent through the API.
+    let cid = start(
+        &s,
+        &sb,
+        json!({"shell": "setsid sh -c 'sleep 303' & sleep 304"}),
+    )
+    .await;
+    let wait_up =
+        "for i in $(seq 1 100); do ps | grep -q '[s]leep 303' && exit 0; sleep 0.05; done; exit 1";
+    assert_eq!(s.sh(&sb, wait_up).await["result"]["exit_code"], 0);
+    let (st, _) = s
+        .post(
+            &format!("/v1/sandboxes/{sb}/commands/{cid}/signal"),
+            json!({"signal": "KILL"}),
+        )
+        .await;
+    assert_eq!(st, 200);
+    let (_, cmd) = s
+        .get(&format!("/v1/sandboxes/{sb}/commands/{cid}?wait=30s"))
+        .await;
+    assert_eq!(cmd["state"], "killed", "{cmd}");
+    let left = s.sh(&sb, "ps | grep -c '[s]leep 30[34]'").await;
+    assert_eq!(left["stdout"], "0\n", "{left}");
+    // A command that just exits leaves its background children running (nohup-style).
+    let cmd = s.sh(&sb, "setsid sh -c 'sleep 305' & echo started").await;
+    assert_eq!(cmd["state"], "exited");
+    let alive = s.sh(&sb, "ps | grep -c '[s]leep 305'").await;
+    assert_eq!(alive["stdout"], "1\n", "{alive}");
+    s.destroy(&sb).await;
+}
