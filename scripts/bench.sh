@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# The core benchmark: our API against raw runsc doing the same work, in one run
-# (create-to-ready, the `true` round trip, idle RSS). Prints one table; never
-# fails on speed, only when something breaks. Needs root, like the tests.
+# The benchmarks: our API against raw runsc doing the same work, in the same run.
+#   core:      create-to-ready, the `true` exec round trip, idle RSS
+#   lifecycle: pause+resume, suspend, resume from a snapshot, snapshot size
+#   commands:  256 MiB stdout throughput, exec latency with 1, 10 and 50 clients
+# Each prints one table; they never fail on speed, only when something breaks.
+# Needs root, like the tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -14,3 +17,4 @@ target/release/space admin prepare-template busybox --templates-dir "$SPACE_TEST
 
 cargo bench -p space --bench core
 cargo bench -p space --bench lifecycle
+cargo bench -p space --bench commands

@@ -1,7 +1,7 @@
 //! Raw `runsc` containers for the benches: the same OCI bundle our server
 //! wrote, the same global flags as `space-runtime`'s gVisor driver, but no
 //! server. Included by `#[path]` from a bench (copied from `core.rs`, plus
-//! pause/resume and checkpoint/restore).
+//! pause/resume, checkpoint/restore and a counted-stdout exec).
 #![allow(dead_code)]
 
 use std::ffi::OsString;
@@ -300,6 +300,45 @@ impl Raw {
             t0.elapsed(),
             String::from_utf8_lossy(&out.stdout).into_owned(),
         )
+    }
+
+    /// `runsc exec <id> argv...` with its stdout read through a pipe and
+    /// counted (never kept), timed from spawn to exit; panics unless it succeeds.
+    pub fn exec_count(&self, id: &str, argv: &[&str]) -> (Duration, u64) {
+        use std::io::Read;
+        // stderr to a file, so that a chatty runsc never blocks on a full pipe.
+        let err_path = self.cdir(id).join("exec-count.err");
+        let err = std::fs::File::create(&err_path).expect("exec stderr file");
+        let t0 = Instant::now();
+        let mut child = Command::new("runsc")
+            .args(self.short_globals())
+            .arg("exec")
+            .arg(id)
+            .args(argv)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(err)
+            .spawn()
+            .unwrap_or_else(|e| panic!("running runsc exec {argv:?}: {e}"));
+        let mut stdout = child.stdout.take().expect("runsc exec stdout");
+        let mut buf = vec![0u8; 1 << 20];
+        let mut count = 0u64;
+        loop {
+            match stdout.read(&mut buf) {
+                Ok(0) => break,
+                Ok(n) => count += n as u64,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => panic!("reading runsc exec {argv:?} stdout: {e}"),
+            }
+        }
+        let status = child.wait().expect("waiting for runsc exec");
+        let took = t0.elapsed();
+        assert!(
+            status.success(),
+            "runsc exec {id} {argv:?}: {status}\n{}",
+            std::fs::read_to_string(&err_path).unwrap_or_default()
+        );
+        (took, count)
     }
 
     /// Waits until no runsc process of this container's bundle is left.

@@ -548,7 +548,7 @@ impl Service {
                 }
                 if progress.done {
                     if let Ok(Some(cmd)) = svc.0.store.get_command(&sandbox_id, &id) {
-                        let _ = tx.send(OutputEvent::End(cmd)).await;
+                        let _ = tx.send(OutputEvent::End(Box::new(cmd))).await;
                     }
                     return;
                 }
@@ -673,7 +673,7 @@ pub enum OutputEvent {
         data: Bytes,
     },
     /// The command as it ended (after every byte was sent).
-    End(Command),
+    End(Box<Command>),
 }
 
 fn read_inline(path: &std::path::Path) -> (String, bool) {

@@ -1,0 +1,525 @@
+//! Commands benchmark: our API against raw `runsc` doing the same work, in one run.
+//!
+//! 1. stdout throughput of a 256 MiB stream: `POST .../commands` of
+//!    `head -c 268435456 /dev/zero` and its whole output read through
+//!    `GET {output_url}?follow=true&stream=stdout` (NDJSON, base64 decoded,
+//!    bytes counted and checked), timed from the POST to the result line,
+//!    against `runsc exec <container> /bin/head -c 268435456 /dev/zero` with its
+//!    stdout counted through a pipe. Extras: the same output read again without
+//!    `follow` once the command has ended, and (raw only) `head` writing to
+//!    `/dev/null` inside the sandbox, the floor of both sides.
+//! 2. exec latency of `true` with 1, 10 and 50 concurrent clients, each making
+//!    sequential calls: `POST .../commands {"argv":["true"],"wait":true}`
+//!    against `runsc exec <container> /bin/true` processes; p50 and p95.
+//!    Extras: calls per second, and the part of our latency that the agent
+//!    itself reports (`result.duration_ms`, spawn to reap).
+//!
+//! The raw container runs the OCI bundle our server wrote for our sandbox,
+//! with the global flags our gVisor driver uses. Our server keeps all output
+//! (`--output-cap-mib 0`), so nothing of the stream is dropped. Run it with
+//! `scripts/bench.sh` (which builds the agent and the busybox template first),
+//! or `cargo bench -p space --bench commands` once they exist. Timings are
+//! reported, never asserted; anything that functionally breaks panics.
+
+#[path = "../tests/common/mod.rs"]
+mod common;
+#[path = "rawsc/mod.rs"]
+mod rawsc;
+
+use std::time::{Duration, Instant};
+
+use base64::Engine;
+use common::TestServer;
+use rawsc::{assert_no_runsc_left, machine_facts, Raw};
+use serde_json::{json, Value};
+
+/// Bytes of the throughput stream.
+const STREAM_BYTES: u64 = 256 << 20;
+/// Bytes of the untimed warm-up stream, per side.
+const WARMUP_STREAM_BYTES: u64 = 16 << 20;
+/// Timed streams per side.
+const STREAM_RUNS: usize = 3;
+/// Concurrent clients of the latency runs.
+const CLIENTS: [usize; 3] = [1, 10, 50];
+/// Calls per concurrency level and side (split evenly over the clients).
+const CALLS: usize = 200;
+/// Untimed `true` calls per side before the latency runs.
+const EXEC_WARMUPS: usize = 5;
+/// Longest one stream may take before the bench gives up.
+const STREAM_LIMIT: Duration = Duration::from_secs(300);
+
+fn main() {
+    let templates = common::templates_dir();
+    assert!(
+        templates.join("busybox").join("template.json").is_file(),
+        "no busybox template in {}; run scripts/bench.sh (or `space admin prepare-template busybox --templates-dir {}`)",
+        templates.display(),
+        templates.display()
+    );
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+
+    let facts = machine_facts();
+    eprintln!("bench: {facts}");
+    let server = rt.block_on(TestServer::start_with(&["--output-cap-mib", "0"]));
+
+    // Our sandbox; its OCI bundle is the one the raw side runs.
+    let ours = rt.block_on(server.create("busybox"));
+    let our_bundle = server
+        .data_dir()
+        .join("sandboxes")
+        .join(&ours)
+        .join("bundle");
+    let config: Value = serde_json::from_slice(
+        &std::fs::read(our_bundle.join("config.json")).expect("reading our config.json"),
+    )
+    .expect("our config.json is JSON");
+    let raw = Raw::new(
+        &config,
+        &server.data_dir().join("agent").join("space-agent"),
+    );
+    let rid = raw.id("main");
+    raw.prepare(&rid);
+    raw.create_start(&rid);
+
+    rt.block_on(check_ours(&server, &ours));
+    check_raw(&raw, &rid);
+
+    // 1. stdout throughput, interleaved so that background load hits both sides alike.
+    eprintln!(
+        "bench: stdout {} MiB x{STREAM_RUNS} (each side, after a {} MiB warm-up)",
+        STREAM_BYTES >> 20,
+        WARMUP_STREAM_BYTES >> 20
+    );
+    let o_warm = rt.block_on(stream_ours(&server, &ours, WARMUP_STREAM_BYTES));
+    let r_warm = stream_raw(&raw, &rid, WARMUP_STREAM_BYTES);
+    eprintln!(
+        "bench: warm-up stream: ours {:.1} ms, raw {:.1} ms",
+        ms(o_warm.follow),
+        ms(r_warm)
+    );
+    let mut o_follow = Vec::new();
+    let mut o_plain = Vec::new();
+    let mut r_stream = Vec::new();
+    for i in 0..STREAM_RUNS {
+        let o = rt.block_on(stream_ours(&server, &ours, STREAM_BYTES));
+        let r = stream_raw(&raw, &rid, STREAM_BYTES);
+        eprintln!(
+            "bench: stream {i}: ours {:.0} MiB/s (plain re-read {:.0} MiB/s), raw {:.0} MiB/s",
+            mib_per_s(STREAM_BYTES, o.follow),
+            mib_per_s(STREAM_BYTES, o.plain),
+            mib_per_s(STREAM_BYTES, r)
+        );
+        o_follow.push(o.follow);
+        o_plain.push(o.plain);
+        r_stream.push(r);
+    }
+    let floor_cmd = format!("/bin/head -c {STREAM_BYTES} /dev/zero > /dev/null");
+    let (r_floor, _) = raw.exec(&rid, &["/bin/sh", "-c", &floor_cmd]);
+    rt.block_on(check_ours(&server, &ours));
+    check_raw(&raw, &rid);
+
+    // 2. exec latency of `true` at each concurrency.
+    eprintln!("bench: exec true, {CALLS} calls at each of {CLIENTS:?} clients (each side)");
+    for _ in 0..EXEC_WARMUPS {
+        rt.block_on(timed_true(&server.http, &server.url, &ours));
+        raw.exec(&rid, &["/bin/true"]);
+    }
+    let mut levels = Vec::new();
+    for clients in CLIENTS {
+        let calls = CALLS.div_ceil(clients);
+        let t0 = Instant::now();
+        let o = rt.block_on(latency_ours(&server, &ours, clients, calls));
+        let o_wall = t0.elapsed();
+        let t0 = Instant::now();
+        let r = latency_raw(&raw, &rid, clients, calls);
+        let r_wall = t0.elapsed();
+        eprintln!(
+            "bench: exec true, {clients} clients x {calls}: ours p50 {:.1} ms in {:.1} s, raw p50 {:.1} ms in {:.1} s",
+            ms(percentile(&o.iter().map(|c| c.0).collect::<Vec<_>>(), 50)),
+            o_wall.as_secs_f64(),
+            ms(percentile(&r, 50)),
+            r_wall.as_secs_f64()
+        );
+        levels.push(Level {
+            clients,
+            calls,
+            ours: o.iter().map(|c| c.0).collect(),
+            agent: o.iter().map(|c| c.1).collect(),
+            raw: r,
+            ours_wall: o_wall,
+            raw_wall: r_wall,
+        });
+    }
+    rt.block_on(check_ours(&server, &ours));
+    check_raw(&raw, &rid);
+
+    // Clean up, then check that nothing of ours or the raw side is left running.
+    rt.block_on(server.destroy(&ours));
+    raw.delete(&rid);
+    let server_root = server.runsc_root();
+    let raw_root = raw.root.clone();
+    let data_dir = server.data_dir().to_path_buf();
+    drop(raw);
+    drop(server);
+    assert_no_runsc_left(&[&server_root, &raw_root]);
+    for d in [&raw_root, &data_dir] {
+        assert!(!d.exists(), "{} remains", d.display());
+    }
+    for c in rawsc::cgroup_dirs() {
+        let cg = c.join(rawsc::RAW_CGROUP_PARENT).join(&rid);
+        assert!(!cg.exists(), "raw cgroup {} remains", cg.display());
+    }
+
+    // The table.
+    println!();
+    println!("space commands benchmark: ours vs raw runsc, same bundle, same run");
+    println!("machine: {facts}");
+    println!(
+        "{:<38} {:<7} {:>12} {:>14} {:>8}",
+        "metric", "stat", "ours", "raw runsc", "ratio"
+    );
+    let row = |metric: &str, stat: &str, ours: f64, raw: f64, unit: &str| {
+        println!(
+            "{:<38} {:<7} {:>12} {:>14} {:>7.2}x",
+            metric,
+            stat,
+            format!("{ours:.1} {unit}"),
+            format!("{raw:.1} {unit}"),
+            ours / raw
+        );
+    };
+    let rate = |d: Duration| mib_per_s(STREAM_BYTES, d);
+    let stream = format!("stdout {} MiB, MiB/s (n={STREAM_RUNS})", STREAM_BYTES >> 20);
+    // The median time is the median rate; the slowest run is the lowest rate.
+    row(
+        &stream,
+        "median",
+        rate(median(&o_follow)),
+        rate(median(&r_stream)),
+        "MiB/s",
+    );
+    row(
+        &stream,
+        "min",
+        rate(max(&o_follow)),
+        rate(max(&r_stream)),
+        "MiB/s",
+    );
+    row(
+        "  POST to result line (extra)",
+        "median",
+        ms(median(&o_follow)),
+        ms(median(&r_stream)),
+        "ms",
+    );
+    let one_side = |metric: &str, stat: &str, ours: String, raw: String| {
+        println!("{metric:<38} {stat:<7} {ours:>12} {raw:>14}");
+    };
+    one_side(
+        "  re-read after exit (extra)",
+        "median",
+        format!("{:.1} MiB/s", rate(median(&o_plain))),
+        "n/a".into(),
+    );
+    one_side(
+        "  head to /dev/null in sandbox (extra)",
+        "n=1",
+        "n/a".into(),
+        format!("{:.1} MiB/s", rate(r_floor)),
+    );
+    for l in &levels {
+        let clients = format!(
+            "{} client{}",
+            l.clients,
+            if l.clients == 1 { "" } else { "s" }
+        );
+        let metric = format!("exec `true`, {clients} (n={})", l.clients * l.calls);
+        row(
+            &metric,
+            "p50",
+            ms(percentile(&l.ours, 50)),
+            ms(percentile(&l.raw, 50)),
+            "ms",
+        );
+        row(
+            &metric,
+            "p95",
+            ms(percentile(&l.ours, 95)),
+            ms(percentile(&l.raw, 95)),
+            "ms",
+        );
+        one_side(
+            "  in the agent, duration_ms (extra)",
+            "p50",
+            format!("{:.1} ms", ms(percentile(&l.agent, 50))),
+            "n/a".into(),
+        );
+        let n = (l.clients * l.calls) as f64;
+        row(
+            &format!("  calls/s, {clients} (extra)"),
+            "",
+            n / l.ours_wall.as_secs_f64(),
+            n / l.raw_wall.as_secs_f64(),
+            "/s",
+        );
+    }
+    println!(
+        "notes: ratio = ours / raw (above 1 is better for MiB/s and calls/s, worse for ms). \
+         ours stream = POST, then GET output?follow=true&stream=stdout from the POST's answer \
+         until the result line, every chunk base64-decoded, its offset checked and its bytes \
+         checked to be zero; the server keeps all output (--output-cap-mib 0). raw stream = a \
+         whole `runsc exec /bin/head` process, stdout counted through a pipe; re-read = GET \
+         output?stream=stdout without follow after the end; head to /dev/null = `runsc exec \
+         /bin/sh -c 'head ... > /dev/null'`. One untimed {} MiB warm-up stream and \
+         {EXEC_WARMUPS} untimed `true` calls per side. ours exec = POST with wait:true from \
+         each client on its own connection; raw exec = a whole `runsc exec /bin/true` process \
+         per call; each client makes its calls one after another, ours at a level before raw; \
+         in the agent = result.duration_ms, from the agent taking the spawn request to reaping \
+         `true`. `echo ok` checked on both sides after each part.",
+        WARMUP_STREAM_BYTES >> 20
+    );
+}
+
+/// The samples of one concurrency level.
+struct Level {
+    clients: usize,
+    calls: usize,
+    ours: Vec<Duration>,
+    /// The agent's `duration_ms` of each of our calls.
+    agent: Vec<Duration>,
+    raw: Vec<Duration>,
+    ours_wall: Duration,
+    raw_wall: Duration,
+}
+
+/// Timings of one of our streams.
+struct OurStream {
+    /// From the POST to the result line of the followed output.
+    follow: Duration,
+    /// A whole read of the output without `follow`, after the command ended.
+    plain: Duration,
+}
+
+/// `head -c bytes /dev/zero` through our API, its stdout followed to the end
+/// and then read again without `follow`.
+async fn stream_ours(s: &TestServer, sb: &str, bytes: u64) -> OurStream {
+    let t0 = Instant::now();
+    let (status, cmd) = s
+        .post(
+            &format!("/v1/sandboxes/{sb}/commands"),
+            json!({ "argv": ["head", "-c", bytes.to_string(), "/dev/zero"] }),
+        )
+        .await;
+    assert_eq!(status, 201, "{cmd}");
+    let url = cmd["output_url"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no output_url: {cmd}"))
+        .to_string();
+    let (count, end) = read_output(s, &format!("{url}?follow=true&stream=stdout")).await;
+    let follow = t0.elapsed();
+    check_stream(&cmd, count, &end, bytes);
+
+    let t0 = Instant::now();
+    let (count, end) = read_output(s, &format!("{url}?stream=stdout")).await;
+    let plain = t0.elapsed();
+    check_stream(&cmd, count, &end, bytes);
+    OurStream { follow, plain }
+}
+
+/// A whole stream counted `bytes` bytes and ended with a clean result.
+fn check_stream(cmd: &Value, count: u64, end: &Value, bytes: u64) {
+    assert_eq!(count, bytes, "stream of {}: {end}", cmd["id"]);
+    assert_eq!(end["state"], "exited", "{end}");
+    assert_eq!(end["result"]["exit_code"], 0, "{end}");
+    assert_eq!(end["result"]["stdout_bytes"], bytes, "{end}");
+    assert_eq!(end["result"]["output_truncated"], false, "{end}");
+}
+
+/// Reads one NDJSON output stream to its end: every chunk is stdout, starts
+/// where the last one ended and decodes to zeros. The decoded byte count and
+/// the end line.
+async fn read_output(s: &TestServer, path: &str) -> (u64, Value) {
+    let read = async {
+        let mut resp = s
+            .req(reqwest::Method::GET, path)
+            .send()
+            .await
+            .expect("output request");
+        assert_eq!(resp.status(), 200, "GET {path}");
+        let mut buf: Vec<u8> = Vec::new();
+        let mut decoded: Vec<u8> = Vec::new();
+        let mut count = 0u64;
+        let mut end: Option<Value> = None;
+        while let Some(chunk) = resp.chunk().await.expect("output chunk") {
+            buf.extend_from_slice(&chunk);
+            let mut start = 0;
+            while let Some(pos) = buf[start..].iter().position(|b| *b == b'\n') {
+                let line = &buf[start..start + pos];
+                start += pos + 1;
+                assert!(end.is_none(), "a line after the end of {path}");
+                let v: Value = serde_json::from_slice(line).unwrap_or_else(|e| {
+                    panic!("{path}: not JSON ({e}): {}", String::from_utf8_lossy(line))
+                });
+                let Some(data) = v.get("data") else {
+                    end = Some(v);
+                    continue;
+                };
+                assert_eq!(v["stream"], "stdout", "{path}: chunk of another stream");
+                assert_eq!(v["offset"], count, "{path}: a gap or overlap in the output");
+                decoded.clear();
+                base64::engine::general_purpose::STANDARD
+                    .decode_vec(data.as_str().expect("data is a string"), &mut decoded)
+                    .expect("data is base64");
+                assert!(
+                    decoded.iter().all(|b| *b == 0),
+                    "{path}: a non-zero byte near offset {count}"
+                );
+                count += decoded.len() as u64;
+            }
+            buf.drain(..start);
+        }
+        assert!(
+            buf.is_empty(),
+            "{path}: unterminated last line: {}",
+            String::from_utf8_lossy(&buf)
+        );
+        let end = end.unwrap_or_else(|| panic!("{path} ended without a result line"));
+        (count, end)
+    };
+    tokio::time::timeout(STREAM_LIMIT, read)
+        .await
+        .unwrap_or_else(|_| panic!("reading {path} took over {STREAM_LIMIT:?}"))
+}
+
+/// `runsc exec /bin/head -c bytes /dev/zero`, stdout counted: timed.
+fn stream_raw(raw: &Raw, id: &str, bytes: u64) -> Duration {
+    let n = bytes.to_string();
+    let (took, count) = raw.exec_count(id, &["/bin/head", "-c", &n, "/dev/zero"]);
+    assert_eq!(count, bytes, "raw stream of {id}");
+    took
+}
+
+/// `clients` concurrent clients, each making `calls` `true` calls in turn:
+/// the latency of every call.
+async fn latency_ours(
+    s: &TestServer,
+    sb: &str,
+    clients: usize,
+    calls: usize,
+) -> Vec<(Duration, Duration)> {
+    let tasks: Vec<_> = (0..clients)
+        .map(|_| {
+            // Its own client: its own connection, as separate users would have.
+            let http = reqwest::Client::new();
+            let (url, sb) = (s.url.clone(), sb.to_string());
+            tokio::spawn(async move {
+                let mut v = Vec::with_capacity(calls);
+                for _ in 0..calls {
+                    v.push(timed_true(&http, &url, &sb).await);
+                }
+                v
+            })
+        })
+        .collect();
+    let mut all = Vec::with_capacity(clients * calls);
+    for t in tasks {
+        all.extend(t.await.expect("latency client"));
+    }
+    all
+}
+
+/// One `true` through our API with `wait:true`, timed; with the agent's
+/// `duration_ms` of it.
+async fn timed_true(http: &reqwest::Client, url: &str, sb: &str) -> (Duration, Duration) {
+    let start = Instant::now();
+    let resp = http
+        .post(format!("{url}/v1/sandboxes/{sb}/commands"))
+        .bearer_auth(common::TOKEN)
+        .timeout(Duration::from_secs(120))
+        .json(&json!({ "argv": ["true"], "wait": true }))
+        .send()
+        .await
+        .expect("POST commands");
+    let status = resp.status().as_u16();
+    let body = resp.bytes().await.expect("commands body");
+    let took = start.elapsed();
+    let cmd: Value = serde_json::from_slice(&body)
+        .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&body).into_owned()));
+    assert_eq!(status, 201, "{cmd}");
+    assert_eq!(cmd["state"], "exited", "{cmd}");
+    assert_eq!(cmd["result"]["exit_code"], 0, "{cmd}");
+    let agent = cmd["result"]["duration_ms"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no result.duration_ms: {cmd}"));
+    (took, Duration::from_millis(agent))
+}
+
+/// `clients` threads, each running `calls` `runsc exec /bin/true` in turn:
+/// the latency of every call.
+fn latency_raw(raw: &Raw, id: &str, clients: usize, calls: usize) -> Vec<Duration> {
+    std::thread::scope(|scope| {
+        let threads: Vec<_> = (0..clients)
+            .map(|_| {
+                scope.spawn(|| {
+                    (0..calls)
+                        .map(|_| raw.exec(id, &["/bin/true"]).0)
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        threads
+            .into_iter()
+            .flat_map(|t| t.join().expect("raw latency client"))
+            .collect()
+    })
+}
+
+/// Our sandbox still runs commands: `echo ok` through the API.
+async fn check_ours(s: &TestServer, sb: &str) {
+    let (status, cmd) = s
+        .post(
+            &format!("/v1/sandboxes/{sb}/commands"),
+            json!({ "argv": ["echo", "ok"], "wait": true }),
+        )
+        .await;
+    assert_eq!(status, 201, "{cmd}");
+    assert_eq!(cmd["result"]["exit_code"], 0, "{cmd}");
+    assert_eq!(cmd["stdout"], "ok\n", "{cmd}");
+}
+
+/// The raw container still runs commands: `runsc exec echo ok`.
+fn check_raw(raw: &Raw, id: &str) {
+    let (_, out) = raw.exec(id, &["/bin/echo", "ok"]);
+    assert_eq!(out, "ok\n", "raw {id}");
+}
+
+/// Nearest-rank percentile.
+fn percentile(samples: &[Duration], p: usize) -> Duration {
+    let mut v = samples.to_vec();
+    v.sort();
+    let rank = (p * v.len()).div_ceil(100).max(1);
+    v[rank - 1]
+}
+
+/// Lower median (nearest rank).
+fn median(v: &[Duration]) -> Duration {
+    let mut v = v.to_vec();
+    v.sort();
+    v[(v.len() - 1) / 2]
+}
+
+fn max(v: &[Duration]) -> Duration {
+    *v.iter().max().expect("samples")
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
+}
+
+fn mib_per_s(bytes: u64, d: Duration) -> f64 {
+    bytes as f64 / (1024.0 * 1024.0) / d.as_secs_f64()
+}
