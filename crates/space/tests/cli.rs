@@ -257,6 +257,10 @@ async fn exec_tty_behaves_like_ssh() {
     pane_shows(&session, "30 100").await;
     // Ctrl-C reaches the program in the sandbox, and the shell survives it.
     keys(&session, &["sleep 300", "Enter"]);
+    // ^C typed before the shell started `sleep` would just be input; wait for it.
+    let running =
+        "for i in $(seq 1 200); do ps | grep -q '[s]leep 300' && exit 0; sleep 0.05; done; exit 1";
+    assert_eq!(s.sh(&sb, running).await["result"]["exit_code"], 0);
     keys(&session, &["C-c"]);
     keys(&session, &["echo still-here", "Enter"]);
     pane_shows(&session, "still-here\n").await;

@@ -317,6 +317,19 @@ async fn an_output_flood_is_capped_keeps_its_tail_and_stalls_nobody() {
     assert_eq!(first + tail.len() as u64, 200_000_012);
     assert!(tail.ends_with(b"END-OF-FLOOD"));
     assert_eq!(end.unwrap()["result"]["output_truncated"], true);
+    // Neither did the agent's (PID 1 in the sandbox).
+    let agent = s.sh(&flood_sb, "grep VmRSS /proc/1/status").await;
+    let agent_kib: u64 = agent["stdout"]
+        .as_str()
+        .unwrap()
+        .split_whitespace()
+        .nth(1)
+        .and_then(|k| k.parse().ok())
+        .unwrap();
+    assert!(
+        agent_kib < 64 * 1024,
+        "agent RSS {agent_kib} KiB after the flood"
+    );
     // The server's memory did not follow the flood.
     let rss_after = vm_rss_kib(s.pid().unwrap());
     assert!(
@@ -384,6 +397,10 @@ async fn pty_commands_get_a_terminal_that_follows_resizes_and_ctrl_c() {
     ws.send(Message::Binary(b"sleep 300; echo slept\n".to_vec()))
         .await
         .unwrap();
+    // ^C typed before the shell started `sleep` would just be input; wait for it.
+    let running =
+        "for i in $(seq 1 200); do ps | grep -q '[s]leep 300' && exit 0; sleep 0.05; done; exit 1";
+    assert_eq!(s.sh(&sb, running).await["result"]["exit_code"], 0);
     ws.send(Message::Binary(vec![3])).await.unwrap();
     ws.send(Message::Binary(b"echo after-ctrl-c\n".to_vec()))
         .await
