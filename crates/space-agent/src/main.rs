@@ -35,7 +35,7 @@ const BACKOFF_MAX: Duration = Duration::from_millis(100);
 /// Wait after the host refused the handshake.
 const REFUSED_RETRY: Duration = Duration::from_secs(1);
 /// A host that accepts but never answers the handshake is dropped after this.
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(2);
 
 struct Config {
     socket: String,

@@ -392,6 +392,20 @@ impl Drop for TestServer {
                 .collect::<Vec<_>>()
                 .join("\n");
             eprintln!("---- server log (tail) ----\n{tail}\n----");
+            // And what each sandbox's agent said.
+            for e in std::fs::read_dir(self.data.path().join("sandboxes"))
+                .into_iter()
+                .flatten()
+                .flatten()
+            {
+                let log = std::fs::read_to_string(e.path().join("console.log")).unwrap_or_default();
+                let tail: Vec<&str> = log.lines().rev().take(20).collect();
+                eprintln!(
+                    "---- agent console of {} ----\n{}",
+                    e.file_name().to_string_lossy(),
+                    tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+                );
+            }
         }
         self.kill9();
         // A failed test must not leak sandboxes: remove whatever runsc still has.
