@@ -2,9 +2,10 @@
 //! orphan in the sandbox, so it reaps with `waitpid(-1)` on each SIGCHLD; exits of
 //! our commands go to their [`Cmd`], anything else is just reaped.
 //!
-//! Spawning and reaping take the same lock: a child that exits at once cannot
-//! be reaped before its pid is registered, and a pid that is signalled under the
-//! lock cannot be reaped (and so reused) meanwhile.
+//! Spawns run without the lock (in parallel); a child that exits before its pid
+//! is registered is left a zombie until its spawner registers it and reaps again
+//! (`in_flight`). A pid that is signalled under the lock cannot be reaped (and so
+//! reused) meanwhile.
 //!
 //! Signals reach the whole command, not only its process group: see `tree` for
 //! how processes that left it (`setsid`, daemons) are found.
@@ -21,6 +22,10 @@ use crate::tree::{self, Marks};
 #[derive(Debug, Default)]
 pub struct Reaper {
     pids: Mutex<HashMap<i32, Arc<Cmd>>>,
+    /// Spawns between their fork and the registration of the new pid. While there
+    /// are any, an exited child nobody knows may be one of theirs: it is left as a
+    /// zombie (its pid stays taken) until the spawner registers and reaps again.
+    in_flight: std::sync::atomic::AtomicUsize,
 }
 
 /// Why a signal was not delivered.
@@ -37,37 +42,74 @@ impl Reaper {
     }
 
     /// Spawns `c` for `cmd` and registers its pid before the reaper can see it exit.
+    ///
+    /// The fork and exec run without the lock, so spawns (slow inside gVisor) go
+    /// in parallel; `in_flight` keeps the reaper from taking a child's exit before
+    /// its pid is registered.
     pub fn spawn(
         &self,
         c: &mut std::process::Command,
         cmd: &Arc<Cmd>,
     ) -> io::Result<std::process::Child> {
-        let mut pids = self.lock();
-        let child = c.spawn()?;
-        cmd.set_pid(child.id());
-        if let Ok(pid) = i32::try_from(child.id()) {
-            pids.insert(pid, cmd.clone());
+        use std::sync::atomic::Ordering::SeqCst;
+        self.in_flight.fetch_add(1, SeqCst);
+        let spawned = c.spawn();
+        if let Ok(child) = &spawned {
+            cmd.set_pid(child.id());
+            if let Ok(pid) = i32::try_from(child.id()) {
+                self.lock().insert(pid, cmd.clone());
+            }
         }
-        Ok(child)
+        self.in_flight.fetch_sub(1, SeqCst);
+        // A child that exited while spawns were in flight may be waiting for us.
+        self.reap();
+        spawned
     }
 
-    /// Reaps every child that has exited.
+    /// Reaps every child that has exited (see `in_flight` for the one exception).
     pub fn reap(&self) {
         let mut pids = self.lock();
         loop {
+            // Look at the next exited child without reaping it yet.
+            // SAFETY: siginfo_t is plain data; waitid fills it.
+            let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+            // SAFETY: plain syscall with a valid out-pointer.
+            let r = unsafe {
+                libc::waitid(
+                    libc::P_ALL,
+                    0,
+                    &mut info,
+                    libc::WEXITED | libc::WNOHANG | libc::WNOWAIT,
+                )
+            };
+            if r < 0 {
+                if io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
+                    continue;
+                }
+                break; // ECHILD: no children at all.
+            }
+            // SAFETY: waitid with WEXITED filled in a child's pid (or left 0).
+            let pid = unsafe { info.si_pid() };
+            if pid <= 0 {
+                break; // Children left, none exited.
+            }
+            let known = pids.contains_key(&pid);
+            if !known && self.in_flight.load(std::sync::atomic::Ordering::SeqCst) > 0 {
+                // Maybe a command not registered yet: its spawner reaps after registering.
+                break;
+            }
             let mut status = 0;
             // SAFETY: plain syscall with a valid out-pointer.
-            let pid = unsafe { libc::waitpid(-1, &mut status, libc::WNOHANG) };
-            if pid > 0 {
+            let got = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
+            if got == pid {
                 if let Some(cmd) = pids.remove(&pid) {
                     cmd.on_reaped(status);
                 }
                 continue;
             }
-            if pid < 0 && io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
+            if got < 0 && io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
                 continue;
             }
-            // 0: children left but none exited; ECHILD: no children at all.
             break;
         }
     }
