@@ -30,7 +30,10 @@ use std::time::{Duration, Instant};
 
 use base64::Engine;
 use common::TestServer;
-use rawsc::{assert_no_runsc_left, machine_facts, Raw};
+use rawsc::{
+    bench_start, check_ours, check_raw, max, median, ms, one_side, p50_p95_rows, percentile, row,
+    table_head, Raw,
+};
 use serde_json::{json, Value};
 
 /// Bytes of the throughput stream.
@@ -49,41 +52,14 @@ const EXEC_WARMUPS: usize = 5;
 const STREAM_LIMIT: Duration = Duration::from_secs(300);
 
 fn main() {
-    let templates = common::templates_dir();
-    assert!(
-        templates.join("busybox").join("template.json").is_file(),
-        "no busybox template in {}; run scripts/bench.sh (or `space admin prepare-template busybox --templates-dir {}`)",
-        templates.display(),
-        templates.display()
-    );
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("tokio runtime");
-
-    let facts = machine_facts();
-    eprintln!("bench: {facts}");
+    let (rt, facts) = bench_start();
     let server = rt.block_on(TestServer::start_with(&["--output-cap-mib", "0"]));
 
     // Our sandbox; its OCI bundle is the one the raw side runs.
     let ours = rt.block_on(server.create("busybox"));
-    let our_bundle = server
-        .data_dir()
-        .join("sandboxes")
-        .join(&ours)
-        .join("bundle");
-    let config: Value = serde_json::from_slice(
-        &std::fs::read(our_bundle.join("config.json")).expect("reading our config.json"),
-    )
-    .expect("our config.json is JSON");
-    let raw = Raw::new(
-        &config,
-        &server.data_dir().join("agent").join("space-agent"),
-    );
-    let rid = raw.id("main");
-    raw.prepare(&rid);
-    raw.create_start(&rid);
+    let our_bundle = rawsc::our_bundle(&server, &ours);
+    let raw = rawsc::raw_of(&server, &our_bundle);
+    let rid = raw.start_new("main");
 
     rt.block_on(check_ours(&server, &ours));
     check_raw(&raw, &rid);
@@ -158,40 +134,11 @@ fn main() {
     check_raw(&raw, &rid);
 
     // Clean up, then check that nothing of ours or the raw side is left running.
-    rt.block_on(server.destroy(&ours));
-    raw.delete(&rid);
-    let server_root = server.runsc_root();
-    let raw_root = raw.root.clone();
-    let data_dir = server.data_dir().to_path_buf();
-    drop(raw);
-    drop(server);
-    assert_no_runsc_left(&[&server_root, &raw_root]);
-    for d in [&raw_root, &data_dir] {
-        assert!(!d.exists(), "{} remains", d.display());
-    }
-    for c in rawsc::cgroup_dirs() {
-        let cg = c.join(rawsc::RAW_CGROUP_PARENT).join(&rid);
-        assert!(!cg.exists(), "raw cgroup {} remains", cg.display());
-    }
+    let left = rawsc::teardown(&rt, server, &ours, raw, &rid);
+    rawsc::assert_nothing_left(&left, &rid);
 
     // The table.
-    println!();
-    println!("space commands benchmark: ours vs raw runsc, same bundle, same run");
-    println!("machine: {facts}");
-    println!(
-        "{:<38} {:<7} {:>12} {:>14} {:>8}",
-        "metric", "stat", "ours", "raw runsc", "ratio"
-    );
-    let row = |metric: &str, stat: &str, ours: f64, raw: f64, unit: &str| {
-        println!(
-            "{:<38} {:<7} {:>12} {:>14} {:>7.2}x",
-            metric,
-            stat,
-            format!("{ours:.1} {unit}"),
-            format!("{raw:.1} {unit}"),
-            ours / raw
-        );
-    };
+    table_head("commands", &facts);
     let rate = |d: Duration| mib_per_s(STREAM_BYTES, d);
     let stream = format!("stdout {} MiB, MiB/s (n={STREAM_RUNS})", STREAM_BYTES >> 20);
     // The median time is the median rate; the slowest run is the lowest rate.
@@ -216,9 +163,6 @@ fn main() {
         ms(median(&r_stream)),
         "ms",
     );
-    let one_side = |metric: &str, stat: &str, ours: String, raw: String| {
-        println!("{metric:<38} {stat:<7} {ours:>12} {raw:>14}");
-    };
     one_side(
         "  re-read after exit (extra)",
         "median",
@@ -238,20 +182,7 @@ fn main() {
             if l.clients == 1 { "" } else { "s" }
         );
         let metric = format!("exec `true`, {clients} (n={})", l.clients * l.calls);
-        row(
-            &metric,
-            "p50",
-            ms(percentile(&l.ours, 50)),
-            ms(percentile(&l.raw, 50)),
-            "ms",
-        );
-        row(
-            &metric,
-            "p95",
-            ms(percentile(&l.ours, 95)),
-            ms(percentile(&l.raw, 95)),
-            "ms",
-        );
+        p50_p95_rows(&metric, "p50", &l.ours, &l.raw);
         one_side(
             "  in the agent, duration_ms (extra)",
             "p50",
@@ -476,48 +407,6 @@ fn latency_raw(raw: &Raw, id: &str, clients: usize, calls: usize) -> Vec<Duratio
             .flat_map(|t| t.join().expect("raw latency client"))
             .collect()
     })
-}
-
-/// Our sandbox still runs commands: `echo ok` through the API.
-async fn check_ours(s: &TestServer, sb: &str) {
-    let (status, cmd) = s
-        .post(
-            &format!("/v1/sandboxes/{sb}/commands"),
-            json!({ "argv": ["echo", "ok"], "wait": true }),
-        )
-        .await;
-    assert_eq!(status, 201, "{cmd}");
-    assert_eq!(cmd["result"]["exit_code"], 0, "{cmd}");
-    assert_eq!(cmd["stdout"], "ok\n", "{cmd}");
-}
-
-/// The raw container still runs commands: `runsc exec echo ok`.
-fn check_raw(raw: &Raw, id: &str) {
-    let (_, out) = raw.exec(id, &["/bin/echo", "ok"]);
-    assert_eq!(out, "ok\n", "raw {id}");
-}
-
-/// Nearest-rank percentile.
-fn percentile(samples: &[Duration], p: usize) -> Duration {
-    let mut v = samples.to_vec();
-    v.sort();
-    let rank = (p * v.len()).div_ceil(100).max(1);
-    v[rank - 1]
-}
-
-/// Lower median (nearest rank).
-fn median(v: &[Duration]) -> Duration {
-    let mut v = v.to_vec();
-    v.sort();
-    v[(v.len() - 1) / 2]
-}
-
-fn max(v: &[Duration]) -> Duration {
-    *v.iter().max().expect("samples")
-}
-
-fn ms(d: Duration) -> f64 {
-    d.as_secs_f64() * 1000.0
 }
 
 fn mib_per_s(bytes: u64, d: Duration) -> f64 {

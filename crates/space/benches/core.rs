@@ -13,15 +13,15 @@
 
 #[path = "../tests/common/mod.rs"]
 mod common;
+#[path = "rawsc/mod.rs"]
+mod rawsc;
 
-use std::ffi::OsString;
-use std::os::unix::process::CommandExt;
-use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use common::TestServer;
-use serde_json::{json, Value};
+use rawsc::{bench_start, one_side, p50_p95_rows, raw_of, row, runsc_processes, table_head};
+use serde_json::json;
 
 /// Timed creates per side.
 const CREATES: usize = 10;
@@ -29,50 +29,19 @@ const CREATES: usize = 10;
 const EXEC_WARMUPS: usize = 5;
 /// Timed `true` round trips per side.
 const EXECS: usize = 200;
-/// cgroup parent of the raw containers (ours use `space`).
-const RAW_CGROUP_PARENT: &str = "space-bench";
-/// Platform and global flags exactly as `space-runtime`'s gVisor driver passes them.
-const PLATFORM: &str = "systrap";
 
 fn main() {
-    let templates = common::templates_dir();
-    assert!(
-        templates.join("busybox").join("template.json").is_file(),
-        "no busybox template in {}; run scripts/bench.sh (or `space admin prepare-template busybox --templates-dir {}`)",
-        templates.display(),
-        templates.display()
-    );
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("tokio runtime");
-
-    let facts = machine_facts();
-    eprintln!("bench: {facts}");
+    let (rt, facts) = bench_start();
     let server = rt.block_on(TestServer::start());
 
     // Our long-lived sandbox (also the warm-up of our create path). Its OCI
     // bundle is the one the raw side runs.
     let ours = rt.block_on(server.create("busybox"));
-    let our_bundle = server
-        .data_dir()
-        .join("sandboxes")
-        .join(&ours)
-        .join("bundle");
-    let config: Value = serde_json::from_slice(
-        &std::fs::read(our_bundle.join("config.json")).expect("reading our config.json"),
-    )
-    .expect("our config.json is JSON");
-    let raw = Raw::new(
-        &config,
-        &server.data_dir().join("agent").join("space-agent"),
-    );
+    let our_bundle = rawsc::our_bundle(&server, &ours);
+    let raw = raw_of(&server, &our_bundle);
 
     // The raw long-lived sandbox (also the warm-up of the raw create path).
-    let raw_main = raw.id("main");
-    raw.prepare(&raw_main);
-    raw.create_start(&raw_main);
+    let raw_main = raw.start_new("main");
 
     // 1. create-to-ready, interleaved so that background load hits both sides alike.
     eprintln!("bench: create-to-ready x{CREATES} (each side)");
@@ -123,66 +92,25 @@ fn main() {
     let cmd = rt.block_on(server.run(&ours, &["cat", "/proc/1/status"]));
     assert_eq!(cmd["result"]["exit_code"], 0, "{cmd}");
     let ours_agent_kb = vm_rss_kb(cmd["stdout"].as_str().unwrap_or_default());
-    let raw_agent_kb = vm_rss_kb(&raw.exec_output(&raw_main, &["/bin/cat", "/proc/1/status"]));
+    let raw_agent_kb = vm_rss_kb(&raw.exec(&raw_main, &["/bin/cat", "/proc/1/status"]).1);
 
     // Clean up, then check that nothing of ours or the raw side is left running.
-    rt.block_on(server.destroy(&ours));
-    raw.delete(&raw_main);
-    let server_root = server.runsc_root();
-    let raw_root = raw.root.clone();
-    drop(raw);
-    drop(server);
-    assert_no_runsc_left(&[&server_root, &raw_root]);
+    rawsc::teardown(&rt, server, &ours, raw, &raw_main);
 
     // The table.
-    let ms = |d: Duration| d.as_secs_f64() * 1000.0;
     let mib = |kb: u64| kb as f64 / 1024.0;
-    println!();
-    println!("space core benchmark: ours vs raw runsc, same bundle, same run");
-    println!("machine: {facts}");
-    println!(
-        "{:<38} {:<7} {:>12} {:>14} {:>8}",
-        "metric", "stat", "ours", "raw runsc", "ratio"
-    );
-    let row = |metric: &str, stat: &str, ours: f64, raw: f64, unit: &str| {
-        println!(
-            "{:<38} {:<7} {:>12} {:>14} {:>7.2}x",
-            metric,
-            stat,
-            format!("{ours:.1} {unit}"),
-            format!("{raw:.1} {unit}"),
-            ours / raw
-        );
-    };
-    let create_metric = format!("create-to-ready (n={CREATES})");
-    row(
-        &create_metric,
+    table_head("core", &facts);
+    p50_p95_rows(
+        &format!("create-to-ready (n={CREATES})"),
         "median",
-        ms(percentile(&ours_create, 50)),
-        ms(percentile(&raw_create, 50)),
-        "ms",
+        &ours_create,
+        &raw_create,
     );
-    row(
-        &create_metric,
-        "p95",
-        ms(percentile(&ours_create, 95)),
-        ms(percentile(&raw_create, 95)),
-        "ms",
-    );
-    let exec_metric = format!("exec `true` round trip (n={EXECS})");
-    row(
-        &exec_metric,
+    p50_p95_rows(
+        &format!("exec `true` round trip (n={EXECS})"),
         "p50",
-        ms(percentile(&ours_exec, 50)),
-        ms(percentile(&raw_exec, 50)),
-        "ms",
-    );
-    row(
-        &exec_metric,
-        "p95",
-        ms(percentile(&ours_exec, 95)),
-        ms(percentile(&raw_exec, 95)),
-        "ms",
+        &ours_exec,
+        &raw_exec,
     );
     row(
         &format!(
@@ -210,8 +138,7 @@ fn main() {
     );
     match (ours_agent_kb, raw_agent_kb) {
         (Some(o), Some(r)) => row("agent VmRSS in sandbox (extra)", "", mib(o), mib(r), "MiB"),
-        (o, r) => println!(
-            "{:<38} {:<7} {:>12} {:>14}",
+        (o, r) => one_side(
             "agent VmRSS in sandbox (extra)",
             "",
             o.map_or("n/a".into(), |k| format!("{:.1} MiB", mib(k))),
@@ -270,277 +197,6 @@ async fn timed_true(s: &TestServer, sb: &str) -> Duration {
     assert_eq!(cmd["state"], "exited", "{cmd}");
     assert_eq!(cmd["result"]["exit_code"], 0, "{cmd}");
     took
-}
-
-/// Raw runsc containers of the bench: one runsc root, one bundle per container.
-struct Raw {
-    dir: tempfile::TempDir,
-    root: PathBuf,
-    agent_dir: PathBuf,
-    config: Value,
-}
-
-impl Raw {
-    fn new(config: &Value, agent: &Path) -> Raw {
-        let dir = tempfile::Builder::new()
-            .prefix("spb")
-            .tempdir_in("/tmp")
-            .expect("tempdir");
-        let root = dir.path().join("root");
-        let agent_dir = dir.path().join("agent");
-        for d in [&root, &agent_dir] {
-            std::fs::create_dir_all(d).expect("raw dirs");
-        }
-        std::fs::copy(agent, agent_dir.join("space-agent")).expect("copying the agent");
-        Raw {
-            dir,
-            root,
-            agent_dir,
-            config: config.clone(),
-        }
-    }
-
-    /// A container id unique to this process (cgroup names are machine-wide).
-    fn id(&self, name: &str) -> String {
-        format!("b{}-{name}", std::process::id())
-    }
-
-    fn cdir(&self, id: &str) -> PathBuf {
-        self.dir.path().join("c").join(id)
-    }
-
-    fn bundle(&self, id: &str) -> PathBuf {
-        self.cdir(id).join("bundle")
-    }
-
-    /// Our config.json with its own cgroup, run dir (holding a fresh agent
-    /// token) and agent dir; everything else — root.path at the template
-    /// rootfs, mounts, resources, process — as our server wrote it.
-    fn prepare(&self, id: &str) {
-        let c = self.cdir(id);
-        let run = c.join("run");
-        for d in [self.bundle(id), c.join("overlay"), run.clone()] {
-            std::fs::create_dir_all(&d).expect("raw container dirs");
-        }
-        std::fs::write(run.join("token"), "raw-bench-token\n").expect("token");
-        let mut config = self.config.clone();
-        config["linux"]["cgroupsPath"] = json!(format!("/{RAW_CGROUP_PARENT}/{id}"));
-        for m in config["mounts"].as_array_mut().expect("mounts") {
-            match m["destination"].as_str() {
-                Some("/.space/run") => m["source"] = json!(run),
-                Some("/.space/bin") => m["source"] = json!(self.agent_dir),
-                _ => {}
-            }
-        }
-        std::fs::write(
-            self.bundle(id).join("config.json"),
-            serde_json::to_vec_pretty(&config).expect("config"),
-        )
-        .expect("writing config.json");
-    }
-
-    /// The global flags our driver gives `runsc` (create and start).
-    fn globals(&self, id: &str) -> Vec<OsString> {
-        vec![
-            "--root".into(),
-            self.root.clone().into(),
-            format!("--platform={PLATFORM}").into(),
-            "--network=none".into(),
-            "--host-uds=open".into(),
-            format!(
-                "--overlay2=root:dir={}",
-                self.cdir(id).join("overlay").display()
-            )
-            .into(),
-            "--cpu-num-from-quota".into(),
-        ]
-    }
-
-    /// The global flags our driver gives every other runsc call.
-    fn short_globals(&self) -> Vec<OsString> {
-        vec![
-            "--root".into(),
-            self.root.clone().into(),
-            format!("--platform={PLATFORM}").into(),
-            "--network=none".into(),
-            "--host-uds=open".into(),
-        ]
-    }
-
-    /// `runsc create` + `runsc start`, timed together.
-    fn create_start(&self, id: &str) -> Duration {
-        // The sandbox inherits create's stdio: a file, never a pipe.
-        let console_path = self.cdir(id).join("console.log");
-        let console = std::fs::File::create(&console_path).expect("console log");
-        let console_err = console.try_clone().expect("console log");
-        let mut create = Command::new("runsc");
-        create
-            .args(self.globals(id))
-            .arg("create")
-            .arg("--bundle")
-            .arg(self.bundle(id))
-            .arg(id)
-            .stdin(Stdio::null())
-            .stdout(console)
-            .stderr(console_err)
-            .process_group(0);
-        let mut start = Command::new("runsc");
-        start
-            .args(self.globals(id))
-            .arg("start")
-            .arg(id)
-            .stdin(Stdio::null());
-        let t0 = Instant::now();
-        let status = create.status().expect("running runsc create");
-        if !status.success() {
-            panic!(
-                "runsc create {id}: {status}\n{}",
-                std::fs::read_to_string(&console_path).unwrap_or_default()
-            );
-        }
-        let out = start.output().expect("running runsc start");
-        let took = t0.elapsed();
-        assert!(
-            out.status.success(),
-            "runsc start {id}: {}\n{}",
-            String::from_utf8_lossy(&out.stderr),
-            std::fs::read_to_string(&console_path).unwrap_or_default()
-        );
-        took
-    }
-
-    /// `runsc exec <id> /bin/true`, timed.
-    fn exec_true(&self, id: &str) -> Duration {
-        let mut cmd = Command::new("runsc");
-        cmd.args(self.short_globals())
-            .arg("exec")
-            .arg(id)
-            .arg("/bin/true")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped());
-        let t0 = Instant::now();
-        let out = cmd.output().expect("running runsc exec");
-        let took = t0.elapsed();
-        assert!(
-            out.status.success(),
-            "runsc exec {id} /bin/true: {}\n{}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr)
-        );
-        took
-    }
-
-    fn exec_output(&self, id: &str, argv: &[&str]) -> String {
-        let out = Command::new("runsc")
-            .args(self.short_globals())
-            .arg("exec")
-            .arg(id)
-            .args(argv)
-            .stdin(Stdio::null())
-            .output()
-            .expect("running runsc exec");
-        assert!(
-            out.status.success(),
-            "runsc exec {id} {argv:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    }
-
-    /// `runsc delete --force`, wait for its processes, remove its cgroups and files.
-    fn delete(&self, id: &str) {
-        let out = Command::new("runsc")
-            .args(self.short_globals())
-            .args(["delete", "--force", id])
-            .stdin(Stdio::null())
-            .output()
-            .expect("running runsc delete");
-        assert!(
-            out.status.success(),
-            "runsc delete --force {id}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let needle = format!("--bundle={}", self.bundle(id).display());
-        let t0 = Instant::now();
-        while !runsc_processes(|a| a == needle).is_empty() {
-            assert!(
-                t0.elapsed() < Duration::from_secs(10),
-                "processes of raw container {id} did not exit"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        remove_cgroups(id);
-        std::fs::remove_dir_all(self.cdir(id)).expect("removing raw container dir");
-    }
-}
-
-impl Drop for Raw {
-    /// Whatever a panic left behind: containers, cgroups (the temp dir goes with `dir`).
-    fn drop(&mut self) {
-        if let Ok(out) = Command::new("runsc")
-            .args(self.short_globals())
-            .args(["list", "--quiet"])
-            .stdin(Stdio::null())
-            .output()
-        {
-            for id in String::from_utf8_lossy(&out.stdout).split_whitespace() {
-                let _ = Command::new("runsc")
-                    .args(self.short_globals())
-                    .args(["delete", "--force", id])
-                    .stdin(Stdio::null())
-                    .output();
-                remove_cgroups(id);
-            }
-        }
-        for c in cgroup_dirs() {
-            let _ = std::fs::remove_dir(c.join(RAW_CGROUP_PARENT));
-        }
-    }
-}
-
-/// `/sys/fs/cgroup` and each v1 controller under it.
-fn cgroup_dirs() -> Vec<PathBuf> {
-    let base = PathBuf::from("/sys/fs/cgroup");
-    let mut dirs = vec![base.clone()];
-    dirs.extend(
-        std::fs::read_dir(&base)
-            .into_iter()
-            .flatten()
-            .flatten()
-            .map(|e| e.path())
-            .filter(|p| p.is_dir()),
-    );
-    dirs
-}
-
-fn remove_cgroups(id: &str) {
-    for c in cgroup_dirs() {
-        let _ = std::fs::remove_dir(c.join(RAW_CGROUP_PARENT).join(id));
-    }
-}
-
-/// Pids of processes whose argv0 is `runsc*` and one of whose arguments matches.
-fn runsc_processes(matches: impl Fn(&str) -> bool) -> Vec<i32> {
-    let mut pids = Vec::new();
-    for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
-        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
-            continue;
-        };
-        let Ok(cmdline) = std::fs::read(e.path().join("cmdline")) else {
-            continue;
-        };
-        let mut args = cmdline.split(|b| *b == 0);
-        let argv0 = args.next().unwrap_or_default();
-        let name = argv0.rsplit(|b| *b == b'/').next().unwrap_or_default();
-        if !name.starts_with(b"runsc") {
-            continue;
-        }
-        if args.any(|a| matches(&String::from_utf8_lossy(a))) {
-            pids.push(pid);
-        }
-    }
-    pids
 }
 
 /// `pid -> ppid` of every process.
@@ -685,57 +341,4 @@ fn idle_cpu_ms_per_s(bundles: &[&Path], window: Duration) -> Vec<f64> {
         .zip(before)
         .map(|(b, t)| cpu_ticks(b).saturating_sub(t) as f64 * ms_per_tick / secs)
         .collect()
-}
-
-/// Nearest-rank percentile.
-fn percentile(samples: &[Duration], p: usize) -> Duration {
-    let mut v = samples.to_vec();
-    v.sort();
-    let rank = (p * v.len()).div_ceil(100).max(1);
-    v[rank - 1]
-}
-
-/// Panics if a runsc process of any of these roots is still running.
-fn assert_no_runsc_left(roots: &[&Path]) {
-    let t0 = Instant::now();
-    loop {
-        let left: Vec<i32> = roots
-            .iter()
-            .flat_map(|r| {
-                let r = r.display().to_string();
-                runsc_processes(move |a| a.contains(&r))
-            })
-            .collect();
-        if left.is_empty() {
-            return;
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(10),
-            "runsc processes of the bench remain: {left:?}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
-fn machine_facts() -> String {
-    let runsc = Command::new("runsc")
-        .arg("--version")
-        .output()
-        .map(|o| {
-            String::from_utf8_lossy(&o.stdout)
-                .lines()
-                .next()
-                .unwrap_or("?")
-                .to_string()
-        })
-        .unwrap_or_else(|e| panic!("runsc --version: {e}"));
-    let nproc = Command::new("nproc")
-        .output()
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
-        .unwrap_or_else(|_| "?".into());
-    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
-    format!(
-        "{runsc}, nproc {nproc}, kernel {}, platform {PLATFORM}",
-        kernel.trim()
-    )
 }

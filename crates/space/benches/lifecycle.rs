@@ -25,8 +25,10 @@ mod rawsc;
 use std::time::{Duration, Instant};
 
 use common::TestServer;
-use rawsc::{assert_no_runsc_left, dir_size, machine_facts, runsc_processes, Raw};
-use serde_json::{json, Value};
+use rawsc::{
+    bench_start, check_ours, check_raw, dir_size, max, median, ms, row, runsc_processes, table_head,
+};
+use serde_json::Value;
 
 /// Timed iterations of each cycle, per side.
 const N: usize = 5;
@@ -48,42 +50,15 @@ struct Side {
 }
 
 fn main() {
-    let templates = common::templates_dir();
-    assert!(
-        templates.join("busybox").join("template.json").is_file(),
-        "no busybox template in {}; run scripts/bench.sh (or `space admin prepare-template busybox --templates-dir {}`)",
-        templates.display(),
-        templates.display()
-    );
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("tokio runtime");
-
-    let facts = machine_facts();
-    eprintln!("bench: {facts}");
+    let (rt, facts) = bench_start();
     let server = rt.block_on(TestServer::start());
 
     // Our sandbox; its OCI bundle is the one the raw side runs.
     let ours = rt.block_on(server.create("busybox"));
-    let our_bundle = server
-        .data_dir()
-        .join("sandboxes")
-        .join(&ours)
-        .join("bundle");
+    let our_bundle = rawsc::our_bundle(&server, &ours);
     let our_snapshot = server.data_dir().join("snapshots").join(&ours);
-    let config: Value = serde_json::from_slice(
-        &std::fs::read(our_bundle.join("config.json")).expect("reading our config.json"),
-    )
-    .expect("our config.json is JSON");
-    let raw = Raw::new(
-        &config,
-        &server.data_dir().join("agent").join("space-agent"),
-    );
-    let rid = raw.id("main");
-    raw.prepare(&rid);
-    raw.create_start(&rid);
+    let raw = rawsc::raw_of(&server, &our_bundle);
+    let rid = raw.start_new("main");
 
     rt.block_on(check_ours(&server, &ours));
     check_raw(&raw, &rid);
@@ -196,43 +171,17 @@ fn main() {
     }
 
     // Clean up, then check that nothing of ours or the raw side is left running.
-    rt.block_on(server.destroy(&ours));
-    raw.delete(&rid);
-    let server_root = server.runsc_root();
-    let raw_root = raw.root.clone();
-    let data_dir = server.data_dir().to_path_buf();
-    drop(raw);
-    drop(server);
-    assert_no_runsc_left(&[&server_root, &raw_root]);
-    for d in [&raw_root, &data_dir] {
-        assert!(!d.exists(), "{} remains", d.display());
-    }
-    for c in rawsc::cgroup_dirs() {
-        let cg = c.join(rawsc::RAW_CGROUP_PARENT).join(&rid);
-        assert!(!cg.exists(), "raw cgroup {} remains", cg.display());
-    }
+    let left = rawsc::teardown(&rt, server, &ours, raw, &rid);
+    rawsc::assert_nothing_left(&left, &rid);
 
     // The table.
     let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
-    println!();
-    println!("space lifecycle benchmark: ours vs raw runsc, same bundle, same run");
-    println!("machine: {facts}");
-    println!(
-        "{:<38} {:<7} {:>12} {:>14} {:>8}",
-        "metric", "stat", "ours", "raw runsc", "ratio"
-    );
-    let row = |metric: &str, stat: &str, ours: f64, raw: f64, unit: &str| {
-        println!(
-            "{:<38} {:<7} {:>12} {:>14} {:>7.2}x",
-            metric,
-            stat,
-            format!("{ours:.1} {unit}"),
-            format!("{raw:.1} {unit}"),
-            ours / raw
-        );
+    table_head("lifecycle", &facts);
+    let median_row = |metric: &str, ours: &[Duration], raw: &[Duration]| {
+        row(metric, "median", ms(median(ours)), ms(median(raw)), "ms");
     };
     let times = |metric: String, ours: &[Duration], raw: &[Duration]| {
-        row(&metric, "median", ms(median(ours)), ms(median(raw)), "ms");
+        median_row(&metric, ours, raw);
         row(&metric, "max", ms(max(ours)), ms(max(raw)), "ms");
     };
     times(
@@ -240,20 +189,8 @@ fn main() {
         &o.pause_resume,
         &r.pause_resume,
     );
-    row(
-        "  pause alone (extra)",
-        "median",
-        ms(median(&o.pause)),
-        ms(median(&r.pause)),
-        "ms",
-    );
-    row(
-        "  resume alone (extra)",
-        "median",
-        ms(median(&o.resume)),
-        ms(median(&r.resume)),
-        "ms",
-    );
+    median_row("  pause alone (extra)", &o.pause, &r.pause);
+    median_row("  resume alone (extra)", &o.resume, &r.resume);
     times(format!("suspend (n={N})"), &o.suspend, &r.suspend);
     times(
         format!("resume from snapshot (n={N})"),
@@ -337,38 +274,4 @@ async fn run_true(s: &TestServer, sb: &str) {
     let cmd = s.run(sb, &["true"]).await;
     assert_eq!(cmd["state"], "exited", "{cmd}");
     assert_eq!(cmd["result"]["exit_code"], 0, "{cmd}");
-}
-
-/// Our sandbox still runs commands: `echo ok` through the API.
-async fn check_ours(s: &TestServer, sb: &str) {
-    let (status, cmd) = s
-        .post(
-            &format!("/v1/sandboxes/{sb}/commands"),
-            json!({ "argv": ["echo", "ok"], "wait": true }),
-        )
-        .await;
-    assert_eq!(status, 201, "{cmd}");
-    assert_eq!(cmd["result"]["exit_code"], 0, "{cmd}");
-    assert_eq!(cmd["stdout"], "ok\n", "{cmd}");
-}
-
-/// The raw container still runs commands: `runsc exec echo ok`.
-fn check_raw(raw: &Raw, id: &str) {
-    let (_, out) = raw.exec(id, &["/bin/echo", "ok"]);
-    assert_eq!(out, "ok\n", "raw {id}");
-}
-
-/// Lower median (nearest rank).
-fn median<T: Ord + Copy>(v: &[T]) -> T {
-    let mut v = v.to_vec();
-    v.sort();
-    v[(v.len() - 1) / 2]
-}
-
-fn ms(d: Duration) -> f64 {
-    d.as_secs_f64() * 1000.0
-}
-
-fn max<T: Ord + Copy>(v: &[T]) -> T {
-    *v.iter().max().expect("samples")
 }

@@ -1,7 +1,8 @@
-//! Raw `runsc` containers for the benches: the same OCI bundle our server
-//! wrote, the same global flags as `space-runtime`'s gVisor driver, but no
-//! server. Included by `#[path]` from a bench (copied from `core.rs`, plus
-//! pause/resume, checkpoint/restore and a counted-stdout exec).
+//! What the benches share. Raw `runsc` containers: the same OCI bundle our
+//! server wrote, the same global flags as `space-runtime`'s gVisor driver, but
+//! no server. Also the bench setup and teardown around our server, the
+//! statistics and the table printing. Included by `#[path]` from each bench,
+//! next to `mod common` (`../tests/common/mod.rs`).
 #![allow(dead_code)]
 
 use std::ffi::OsString;
@@ -11,6 +12,8 @@ use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
+
+use crate::common::{self, TestServer};
 
 /// cgroup parent of the raw containers (ours use `space`).
 pub const RAW_CGROUP_PARENT: &str = "space-bench";
@@ -91,21 +94,19 @@ impl Raw {
         .expect("writing config.json");
     }
 
-    /// The global flags our driver gives `runsc create`, `start` and `restore`.
+    /// The global flags our driver gives `runsc create`, `start` and `restore`:
+    /// the short ones, then the overlay and CPU ones.
     pub fn globals(&self, id: &str) -> Vec<OsString> {
-        vec![
-            "--root".into(),
-            self.root.clone().into(),
-            format!("--platform={PLATFORM}").into(),
-            "--network=none".into(),
-            "--host-uds=open".into(),
+        let mut flags = self.short_globals();
+        flags.extend([
             format!(
                 "--overlay2=root:dir={}",
                 self.cdir(id).join("overlay").display()
             )
             .into(),
             "--cpu-num-from-quota".into(),
-        ]
+        ]);
+        flags
     }
 
     /// The global flags our driver gives every other runsc call.
@@ -132,18 +133,14 @@ impl Raw {
     /// Like [`Raw::runsc`], panicking unless it succeeds.
     fn runsc_ok(&self, args: &[&str]) -> Output {
         let out = self.runsc(args);
-        assert!(
-            out.status.success(),
-            "runsc {args:?}: {}\n{}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr)
-        );
+        assert_ok(&out, format_args!("runsc {args:?}"));
         out
     }
 
     /// `runsc create` (or `restore`) with the full global flags, the sandbox
-    /// inheriting a console file as stdio, as our driver's `launch`.
-    fn launch(&self, id: &str, args: &[OsString]) {
+    /// inheriting a console file as stdio, as our driver's `launch`: the
+    /// command (not yet run) and the console's path.
+    fn launch_command(&self, id: &str, args: &[OsString]) -> (Command, PathBuf) {
         let console_path = self.cdir(id).join("console.log");
         let console = std::fs::OpenOptions::new()
             .create(true)
@@ -151,50 +148,62 @@ impl Raw {
             .open(&console_path)
             .expect("console log");
         let console_err = console.try_clone().expect("console log");
-        let status = Command::new("runsc")
-            .args(self.globals(id))
+        let mut cmd = Command::new("runsc");
+        cmd.args(self.globals(id))
             .args(args)
             .stdin(Stdio::null())
             .stdout(console)
             .stderr(console_err)
-            .process_group(0)
-            .status()
-            .expect("running runsc");
+            .process_group(0);
+        (cmd, console_path)
+    }
+
+    /// Runs a [`Raw::launch_command`], panicking unless it succeeds.
+    fn run_launch(mut cmd: Command, console_path: &Path, args: &[OsString]) {
+        let status = cmd.status().expect("running runsc");
         if !status.success() {
             panic!(
                 "runsc {args:?}: {status}\n{}",
-                std::fs::read_to_string(&console_path).unwrap_or_default()
+                std::fs::read_to_string(console_path).unwrap_or_default()
             );
         }
     }
 
-    /// `runsc create` + `runsc start`, timed together.
+    /// `runsc create` + `runsc start`, timed together (both commands are set
+    /// up, and the console opened, before the clock starts).
     pub fn create_start(&self, id: &str) -> Duration {
-        let t0 = Instant::now();
-        self.launch(
-            id,
-            &[
-                "create".into(),
-                "--bundle".into(),
-                self.bundle(id).into(),
-                id.into(),
-            ],
-        );
-        let out = Command::new("runsc")
+        let args: [OsString; 4] = [
+            "create".into(),
+            "--bundle".into(),
+            self.bundle(id).into(),
+            id.into(),
+        ];
+        let (create, console_path) = self.launch_command(id, &args);
+        let mut start = Command::new("runsc");
+        start
             .args(self.globals(id))
             .arg("start")
             .arg(id)
-            .stdin(Stdio::null())
-            .output()
-            .expect("running runsc start");
+            .stdin(Stdio::null());
+        let t0 = Instant::now();
+        Self::run_launch(create, &console_path, &args);
+        let out = start.output().expect("running runsc start");
         let took = t0.elapsed();
         assert!(
             out.status.success(),
             "runsc start {id}: {}\n{}",
             String::from_utf8_lossy(&out.stderr),
-            std::fs::read_to_string(self.cdir(id).join("console.log")).unwrap_or_default()
+            std::fs::read_to_string(&console_path).unwrap_or_default()
         );
         took
+    }
+
+    /// A fresh container `name`, prepared, created and started: its id.
+    pub fn start_new(&self, name: &str) -> String {
+        let id = self.id(name);
+        self.prepare(&id);
+        self.create_start(&id);
+        id
     }
 
     /// `runsc pause`, timed.
@@ -274,18 +283,17 @@ impl Raw {
     /// global flags, until `runsc state` says `running`: timed.
     pub fn restore(&self, id: &str) -> Duration {
         let t0 = Instant::now();
-        self.launch(
-            id,
-            &[
-                "restore".into(),
-                "--image-path".into(),
-                self.image(id).into(),
-                "--bundle".into(),
-                self.bundle(id).into(),
-                "--detach".into(),
-                id.into(),
-            ],
-        );
+        let args: [OsString; 7] = [
+            "restore".into(),
+            "--image-path".into(),
+            self.image(id).into(),
+            "--bundle".into(),
+            self.bundle(id).into(),
+            "--detach".into(),
+            id.into(),
+        ];
+        let (cmd, console_path) = self.launch_command(id, &args);
+        Self::run_launch(cmd, &console_path, &args);
         self.poll_state(id, "running", |s| s == Some("running"));
         t0.elapsed()
     }
@@ -300,6 +308,24 @@ impl Raw {
             t0.elapsed(),
             String::from_utf8_lossy(&out.stdout).into_owned(),
         )
+    }
+
+    /// `runsc exec <id> /bin/true` with stdout to /dev/null, timed; panics
+    /// unless it succeeds.
+    pub fn exec_true(&self, id: &str) -> Duration {
+        let mut cmd = Command::new("runsc");
+        cmd.args(self.short_globals())
+            .arg("exec")
+            .arg(id)
+            .arg("/bin/true")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        let t0 = Instant::now();
+        let out = cmd.output().expect("running runsc exec");
+        let took = t0.elapsed();
+        assert_ok(&out, format_args!("runsc exec {id} /bin/true"));
+        took
     }
 
     /// `runsc exec <id> argv...` with its stdout read through a pipe and
@@ -390,6 +416,16 @@ impl Drop for Raw {
             let _ = std::fs::remove_dir(c.join(RAW_CGROUP_PARENT));
         }
     }
+}
+
+/// Panics unless `out` (of `what`) succeeded, with its status and stderr.
+fn assert_ok(out: &Output, what: std::fmt::Arguments) {
+    assert!(
+        out.status.success(),
+        "{what}: {}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 /// `/sys/fs/cgroup` and each v1 controller under it.
@@ -498,4 +534,172 @@ pub fn machine_facts() -> String {
         "{runsc}, nproc {nproc}, kernel {}, platform {PLATFORM}",
         kernel.trim()
     )
+}
+
+/// Checks that the busybox template exists, then the bench's tokio runtime
+/// and the machine facts (printed to stderr).
+pub fn bench_start() -> (tokio::runtime::Runtime, String) {
+    let templates = common::templates_dir();
+    assert!(
+        templates.join("busybox").join("template.json").is_file(),
+        "no busybox template in {}; run scripts/bench.sh (or `space admin prepare-template busybox --templates-dir {}`)",
+        templates.display(),
+        templates.display()
+    );
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+
+    let facts = machine_facts();
+    eprintln!("bench: {facts}");
+    (rt, facts)
+}
+
+/// The OCI bundle dir of our sandbox `ours`.
+pub fn our_bundle(server: &TestServer, ours: &str) -> PathBuf {
+    server
+        .data_dir()
+        .join("sandboxes")
+        .join(ours)
+        .join("bundle")
+}
+
+/// The raw side of a bench: raw containers of our sandbox's bundle
+/// (`our_bundle`) with our server's agent.
+pub fn raw_of(server: &TestServer, our_bundle: &Path) -> Raw {
+    let config: Value = serde_json::from_slice(
+        &std::fs::read(our_bundle.join("config.json")).expect("reading our config.json"),
+    )
+    .expect("our config.json is JSON");
+    Raw::new(
+        &config,
+        &server.data_dir().join("agent").join("space-agent"),
+    )
+}
+
+/// What [`teardown`] leaves to check.
+pub struct Leftovers {
+    pub raw_root: PathBuf,
+    pub data_dir: PathBuf,
+}
+
+/// Destroys our sandbox and deletes the raw container, drops both sides, then
+/// checks that no runsc process of either is left running.
+pub fn teardown(
+    rt: &tokio::runtime::Runtime,
+    server: TestServer,
+    ours: &str,
+    raw: Raw,
+    rid: &str,
+) -> Leftovers {
+    rt.block_on(server.destroy(ours));
+    raw.delete(rid);
+    let server_root = server.runsc_root();
+    let raw_root = raw.root.clone();
+    let data_dir = server.data_dir().to_path_buf();
+    drop(raw);
+    drop(server);
+    assert_no_runsc_left(&[&server_root, &raw_root]);
+    Leftovers { raw_root, data_dir }
+}
+
+/// Panics if the raw runsc root, our data dir or the raw container's cgroups remain.
+pub fn assert_nothing_left(left: &Leftovers, rid: &str) {
+    for d in [&left.raw_root, &left.data_dir] {
+        assert!(!d.exists(), "{} remains", d.display());
+    }
+    for c in cgroup_dirs() {
+        let cg = c.join(RAW_CGROUP_PARENT).join(rid);
+        assert!(!cg.exists(), "raw cgroup {} remains", cg.display());
+    }
+}
+
+/// Our sandbox still runs commands: `echo ok` through the API.
+pub async fn check_ours(s: &TestServer, sb: &str) {
+    let (status, cmd) = s
+        .post(
+            &format!("/v1/sandboxes/{sb}/commands"),
+            json!({ "argv": ["echo", "ok"], "wait": true }),
+        )
+        .await;
+    assert_eq!(status, 201, "{cmd}");
+    assert_eq!(cmd["result"]["exit_code"], 0, "{cmd}");
+    assert_eq!(cmd["stdout"], "ok\n", "{cmd}");
+}
+
+/// The raw container still runs commands: `runsc exec echo ok`.
+pub fn check_raw(raw: &Raw, id: &str) {
+    let (_, out) = raw.exec(id, &["/bin/echo", "ok"]);
+    assert_eq!(out, "ok\n", "raw {id}");
+}
+
+/// Nearest-rank percentile.
+pub fn percentile(samples: &[Duration], p: usize) -> Duration {
+    let mut v = samples.to_vec();
+    v.sort();
+    let rank = (p * v.len()).div_ceil(100).max(1);
+    v[rank - 1]
+}
+
+/// Lower median (nearest rank).
+pub fn median<T: Ord + Copy>(v: &[T]) -> T {
+    let mut v = v.to_vec();
+    v.sort();
+    v[(v.len() - 1) / 2]
+}
+
+pub fn max<T: Ord + Copy>(v: &[T]) -> T {
+    *v.iter().max().expect("samples")
+}
+
+pub fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
+}
+
+/// The title, machine and column lines of a bench's table.
+pub fn table_head(bench: &str, facts: &str) {
+    println!();
+    println!("space {bench} benchmark: ours vs raw runsc, same bundle, same run");
+    println!("machine: {facts}");
+    println!(
+        "{:<38} {:<7} {:>12} {:>14} {:>8}",
+        "metric", "stat", "ours", "raw runsc", "ratio"
+    );
+}
+
+/// A table row with both sides and their ratio.
+pub fn row(metric: &str, stat: &str, ours: f64, raw: f64, unit: &str) {
+    println!(
+        "{:<38} {:<7} {:>12} {:>14} {:>7.2}x",
+        metric,
+        stat,
+        format!("{ours:.1} {unit}"),
+        format!("{raw:.1} {unit}"),
+        ours / raw
+    );
+}
+
+/// A table row without a ratio (a side may be `n/a`).
+pub fn one_side(metric: &str, stat: &str, ours: String, raw: String) {
+    println!("{metric:<38} {stat:<7} {ours:>12} {raw:>14}");
+}
+
+/// Two rows of latencies in ms: the p50 (labelled `p50`) and the p95.
+pub fn p50_p95_rows(metric: &str, p50: &str, ours: &[Duration], raw: &[Duration]) {
+    row(
+        metric,
+        p50,
+        ms(percentile(ours, 50)),
+        ms(percentile(raw, 50)),
+        "ms",
+    );
+    row(
+        metric,
+        "p95",
+        ms(percentile(ours, 95)),
+        ms(percentile(raw, 95)),
+        "ms",
+    );
 }
