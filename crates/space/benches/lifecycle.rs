@@ -26,9 +26,10 @@ use std::time::{Duration, Instant};
 
 use common::TestServer;
 use rawsc::{
-    bench_start, check_ours, check_raw, dir_size, max, median, ms, row, runsc_processes, table_head,
+    bench_start, check_ours, check_raw, max, median, ms, row, runsc_processes, table_head,
 };
 use serde_json::Value;
+use space_runtime::dir_size;
 
 /// Timed iterations of each cycle, per side.
 const N: usize = 5;

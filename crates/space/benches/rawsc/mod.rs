@@ -472,25 +472,6 @@ pub fn runsc_processes(matches: impl Fn(&str) -> bool) -> Vec<i32> {
     pids
 }
 
-/// Total bytes of the regular files under `dir` (as the server's `dir_size`).
-pub fn dir_size(dir: &Path) -> u64 {
-    let mut total = 0;
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        let Ok(entries) = std::fs::read_dir(&d) else {
-            continue;
-        };
-        for e in entries.flatten() {
-            match e.metadata() {
-                Ok(m) if m.is_dir() => stack.push(e.path()),
-                Ok(m) => total += m.len(),
-                Err(_) => {}
-            }
-        }
-    }
-    total
-}
-
 /// Panics if a runsc process mentioning any of these roots is still running.
 pub fn assert_no_runsc_left(roots: &[&Path]) {
     let t0 = Instant::now();

@@ -7,7 +7,6 @@ use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
 use axum::extract::{Path, RawQuery, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::Json;
 use base64::Engine;
 use bytes::Bytes;
 use serde::Deserialize;
@@ -16,7 +15,10 @@ use space_api::{CommandList, CreateCommandRequest, OutputChunk, OutputEnd};
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::StreamExt;
 
-use super::{check_id, error, parse_query, parse_wait, ApiJson, AppState, HttpError};
+use super::{
+    check_command_ids, check_id, error, parse_query, parse_wait, respond, respond_with, ApiJson,
+    AppState, HttpError,
+};
 use crate::service::output::View;
 use crate::service::{CommandOutputQuery, OutputEvent};
 
@@ -28,20 +30,21 @@ pub async fn create(
     if let Err(r) = check_id(&id, "sb", "sandbox") {
         return r.into_response();
     }
-    match st.service.create_command(&id, req).await {
-        Ok(cmd) => (StatusCode::CREATED, Json(cmd)).into_response(),
-        Err(e) => HttpError(e).into_response(),
-    }
+    respond_with(
+        StatusCode::CREATED,
+        st.service.create_command(&id, req).await,
+    )
 }
 
 pub async fn list(State(st): State<AppState>, Path(id): Path<String>) -> Response {
     if let Err(r) = check_id(&id, "sb", "sandbox") {
         return r.into_response();
     }
-    match st.service.list_commands(&id) {
-        Ok(commands) => Json(CommandList { commands }).into_response(),
-        Err(e) => HttpError(e).into_response(),
-    }
+    respond(
+        st.service
+            .list_commands(&id)
+            .map(|commands| CommandList { commands }),
+    )
 }
 
 #[derive(Deserialize)]
@@ -55,7 +58,7 @@ pub async fn get(
     Path((id, cid)): Path<(String, String)>,
     RawQuery(q): RawQuery,
 ) -> Response {
-    if let Err(r) = check_id(&id, "sb", "sandbox").and(check_id(&cid, "cmd", "command")) {
+    if let Err(r) = check_command_ids(&id, &cid) {
         return r.into_response();
     }
     let q: GetQuery = match parse_query(q.as_deref()) {
@@ -66,10 +69,7 @@ pub async fn get(
         Ok(w) => w.unwrap_or(Duration::ZERO),
         Err(r) => return r.into_response(),
     };
-    match st.service.wait_command(&id, &cid, Some(wait)).await {
-        Ok(cmd) => Json(cmd).into_response(),
-        Err(e) => HttpError(e).into_response(),
-    }
+    respond(st.service.wait_command(&id, &cid, Some(wait)).await)
 }
 
 #[derive(Deserialize)]
@@ -86,7 +86,7 @@ pub async fn output(
     Path((id, cid)): Path<(String, String)>,
     RawQuery(q): RawQuery,
 ) -> Response {
-    if let Err(r) = check_id(&id, "sb", "sandbox").and(check_id(&cid, "cmd", "command")) {
+    if let Err(r) = check_command_ids(&id, &cid) {
         return r.into_response();
     }
     let q: OutputQuery = match parse_query(q.as_deref()) {
@@ -136,7 +136,7 @@ pub async fn signal(
     Path((id, cid)): Path<(String, String)>,
     ApiJson(body): ApiJson<SignalBody>,
 ) -> Response {
-    if let Err(r) = check_id(&id, "sb", "sandbox").and(check_id(&cid, "cmd", "command")) {
+    if let Err(r) = check_command_ids(&id, &cid) {
         return r.into_response();
     }
     let Some(sig) = parse_signal(&body.signal) else {
@@ -146,10 +146,7 @@ pub async fn signal(
             "signal must be a number 1-64 or a name such as TERM, KILL, INT, HUP, QUIT, USR1, USR2, STOP, CONT",
         );
     };
-    match st.service.signal_command(&id, &cid, sig).await {
-        Ok(cmd) => Json(cmd).into_response(),
-        Err(e) => HttpError(e).into_response(),
-    }
+    respond(st.service.signal_command(&id, &cid, sig).await)
 }
 
 pub fn parse_signal(v: &serde_json::Value) -> Option<i32> {
@@ -226,7 +223,7 @@ pub async fn stdin(
     RawQuery(q): RawQuery,
     body: axum::body::Body,
 ) -> Response {
-    if let Err(r) = check_id(&id, "sb", "sandbox").and(check_id(&cid, "cmd", "command")) {
+    if let Err(r) = check_command_ids(&id, &cid) {
         return r.into_response();
     }
     let q: StdinQuery = match parse_query(q.as_deref()) {
@@ -279,7 +276,7 @@ pub async fn attach(
     Path((id, cid)): Path<(String, String)>,
     RawQuery(q): RawQuery,
 ) -> Response {
-    if let Err(r) = check_id(&id, "sb", "sandbox").and(check_id(&cid, "cmd", "command")) {
+    if let Err(r) = check_command_ids(&id, &cid) {
         return r.into_response();
     }
     let q: AttachQuery = match parse_query(q.as_deref()) {

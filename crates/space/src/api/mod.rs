@@ -163,6 +163,25 @@ impl IntoResponse for HttpError {
     }
 }
 
+/// `200` with `v` as JSON, or the error as its response.
+pub fn respond<T: serde::Serialize>(r: crate::service::Result<T>) -> Response {
+    match r {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => HttpError(e).into_response(),
+    }
+}
+
+/// Like [`respond`], with another success status (`201`, `202`).
+pub fn respond_with<T: serde::Serialize>(
+    status: StatusCode,
+    r: crate::service::Result<T>,
+) -> Response {
+    match r {
+        Ok(v) => (status, Json(v)).into_response(),
+        Err(e) => HttpError(e).into_response(),
+    }
+}
+
 /// A JSON body: bounded (413), strictly parsed (400 naming the problem).
 pub struct ApiJson<T>(pub T);
 
@@ -260,6 +279,11 @@ pub fn check_id(id: &str, prefix: &str, what: &str) -> Result<(), Reject> {
             message: format!("no {what} {}", crate::service::truncate(id, 64)),
         })
     }
+}
+
+/// Both ids of a command route, or a 404.
+pub fn check_command_ids(id: &str, cid: &str) -> Result<(), Reject> {
+    check_id(id, "sb", "sandbox").and(check_id(cid, "cmd", "command"))
 }
 
 #[cfg(test)]

@@ -4,11 +4,10 @@ use std::time::Duration;
 
 use axum::extract::{Path, RawQuery, State};
 use axum::response::{IntoResponse, Response};
-use axum::Json;
 use serde::Deserialize;
 use space_api::OperationList;
 
-use super::{check_id, parse_query, parse_wait, AppState, HttpError};
+use super::{check_id, parse_query, parse_wait, respond, AppState};
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -32,10 +31,7 @@ pub async fn get(
         Ok(w) => w.unwrap_or(Duration::ZERO),
         Err(r) => return r.into_response(),
     };
-    match st.service.wait_operation(&id, wait).await {
-        Ok(op) => Json(op).into_response(),
-        Err(e) => HttpError(e).into_response(),
-    }
+    respond(st.service.wait_operation(&id, wait).await)
 }
 
 #[derive(Deserialize)]
@@ -51,18 +47,16 @@ pub async fn list(State(st): State<AppState>, RawQuery(q): RawQuery) -> Response
         Err(r) => return r.into_response(),
     };
     let limit = q.limit.unwrap_or(100).clamp(1, 1000);
-    match st.service.list_operations(q.sandbox_id.as_deref(), limit) {
-        Ok(operations) => Json(OperationList { operations }).into_response(),
-        Err(e) => HttpError(e).into_response(),
-    }
+    respond(
+        st.service
+            .list_operations(q.sandbox_id.as_deref(), limit)
+            .map(|operations| OperationList { operations }),
+    )
 }
 
 pub async fn cancel(State(st): State<AppState>, Path(id): Path<String>) -> Response {
     if let Err(r) = check_id(&id, "op", "operation") {
         return r.into_response();
     }
-    match st.service.cancel_operation(&id) {
-        Ok(op) => Json(op).into_response(),
-        Err(e) => HttpError(e).into_response(),
-    }
+    respond(st.service.cancel_operation(&id))
 }

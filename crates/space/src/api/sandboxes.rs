@@ -3,20 +3,16 @@
 use axum::extract::{Path, RawQuery, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use axum::Json;
 use serde::Deserialize;
 use space_api::{CreateSandboxRequest, SandboxList};
 
-use super::{check_id, error, parse_query, ApiJson, AppState, HttpError};
+use super::{check_id, error, parse_query, respond, respond_with, ApiJson, AppState};
 
 pub async fn create(
     State(st): State<AppState>,
     ApiJson(req): ApiJson<CreateSandboxRequest>,
 ) -> Response {
-    match st.service.create_sandbox(req) {
-        Ok(op) => (StatusCode::ACCEPTED, Json(op)).into_response(),
-        Err(e) => HttpError(e).into_response(),
-    }
+    respond_with(StatusCode::ACCEPTED, st.service.create_sandbox(req))
 }
 
 #[derive(Deserialize)]
@@ -49,20 +45,18 @@ pub async fn list(State(st): State<AppState>, RawQuery(q): RawQuery) -> Response
             }
         }
     }
-    match st.service.list_sandboxes(&labels) {
-        Ok(sandboxes) => Json(SandboxList { sandboxes }).into_response(),
-        Err(e) => HttpError(e).into_response(),
-    }
+    respond(
+        st.service
+            .list_sandboxes(&labels)
+            .map(|sandboxes| SandboxList { sandboxes }),
+    )
 }
 
 pub async fn get(State(st): State<AppState>, Path(id): Path<String>) -> Response {
     if let Err(r) = check_id(&id, "sb", "sandbox") {
         return r.into_response();
     }
-    match st.service.get_sandbox(&id) {
-        Ok(sb) => Json(sb).into_response(),
-        Err(e) => HttpError(e).into_response(),
-    }
+    respond(st.service.get_sandbox(&id))
 }
 
 pub async fn destroy(State(st): State<AppState>, Path(id): Path<String>) -> Response {
@@ -94,10 +88,7 @@ pub async fn suspend(State(st): State<AppState>, Path(id): Path<String>) -> Resp
 }
 
 fn accepted(r: crate::service::Result<space_api::Operation>) -> Response {
-    match r {
-        Ok(op) => (StatusCode::ACCEPTED, Json(op)).into_response(),
-        Err(e) => HttpError(e).into_response(),
-    }
+    respond_with(StatusCode::ACCEPTED, r)
 }
 
 pub async fn keepalive(
@@ -123,8 +114,5 @@ pub async fn keepalive(
             }
         }
     };
-    match st.service.keepalive(&id, req) {
-        Ok(sb) => Json(sb).into_response(),
-        Err(e) => HttpError(e).into_response(),
-    }
+    respond(st.service.keepalive(&id, req))
 }

@@ -400,7 +400,7 @@ impl Service {
             return Err(e);
         }
         failpoint("suspend:after_checkpoint");
-        let bytes = dir_size(&image);
+        let bytes = space_runtime::dir_size(&image);
         self.advance(id, SandboxEvent::Suspended, |r| {
             r.snapshot_dir = Some(image.to_string_lossy().into_owned());
             r.sandbox.cost.snapshot_bytes = Some(bytes);
@@ -466,23 +466,4 @@ impl Service {
         tracing::info!(operation = %id, kind = %op.kind, "operation cancelled");
         Ok(op)
     }
-}
-
-/// Bytes of all files under `dir`.
-pub(crate) fn dir_size(dir: &std::path::Path) -> u64 {
-    let mut total = 0;
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        let Ok(entries) = std::fs::read_dir(&d) else {
-            continue;
-        };
-        for e in entries.flatten() {
-            match e.metadata() {
-                Ok(m) if m.is_dir() => stack.push(e.path()),
-                Ok(m) => total += m.len(),
-                Err(_) => {}
-            }
-        }
-    }
-    total
 }

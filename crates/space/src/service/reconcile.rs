@@ -102,7 +102,7 @@ impl Service {
                     // The sandbox is on disk: a finished suspend, or a resume that did not start.
                     let _ = self.0.runtime.stop(&id, &self.sandbox_dir(&id)).await;
                     let was = rec.sandbox.state;
-                    let bytes = super::lifecycle::dir_size(&image);
+                    let bytes = space_runtime::dir_size(&image);
                     let event = match was {
                         SandboxState::Suspending => Some(SandboxEvent::Suspended),
                         SandboxState::Resuming => Some(SandboxEvent::ResumeAbortedToSuspended),
