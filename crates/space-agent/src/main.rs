@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use hyper::server::conn::http2;
 use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use space_agent::protocol::{self, Hello, HelloReply, PROTOCOL_VERSION};
 use tokio::io::AsyncWriteExt;
 use tokio::net::UnixStream;
@@ -36,6 +36,12 @@ const BACKOFF_MAX: Duration = Duration::from_millis(100);
 const REFUSED_RETRY: Duration = Duration::from_secs(1);
 /// A host that accepts but never answers the handshake is dropped after this.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(2);
+/// A quiet host connection is pinged this often, and dropped when a ping goes
+/// unanswered for `KEEPALIVE_TIMEOUT`: a host that died without the hangup
+/// reaching us (seen under gVisor's host sockets) must not keep us from
+/// dialling its successor.
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(3);
+const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(6);
 
 struct Config {
     socket: String,
@@ -126,7 +132,11 @@ async fn dial_loop(cfg: &Config, agent: Arc<Agent>) {
             Ok(Ok(reply)) if reply.ok => {
                 backoff = BACKOFF_MIN;
                 quiet = false;
-                serve(stream, agent.clone()).await;
+                // The host speaks first (the HTTP/2 preface); one that does not is gone.
+                match tokio::time::timeout(HANDSHAKE_TIMEOUT, host_spoke(&stream)).await {
+                    Ok(true) => serve(stream, agent.clone()).await,
+                    _ => eprintln!("space-agent: host said nothing after the handshake"),
+                }
             }
             Ok(Ok(reply)) => {
                 eprintln!(
@@ -163,6 +173,39 @@ async fn handshake(stream: &mut UnixStream, cfg: &Config) -> std::io::Result<Hel
         .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
 }
 
+/// Waits until the host has sent something (without consuming it); false when
+/// the connection ended first.
+async fn host_spoke(stream: &UnixStream) -> bool {
+    use std::os::fd::AsRawFd;
+    loop {
+        if stream.readable().await.is_err() {
+            return false;
+        }
+        let mut byte = 0u8;
+        let peeked = stream.try_io(tokio::io::Interest::READABLE, || {
+            // SAFETY: a one-byte buffer we own, on a socket we own.
+            let n = unsafe {
+                libc::recv(
+                    stream.as_raw_fd(),
+                    (&mut byte as *mut u8).cast(),
+                    1,
+                    libc::MSG_PEEK | libc::MSG_DONTWAIT,
+                )
+            };
+            if n < 0 {
+                Err(std::io::Error::last_os_error())
+            } else {
+                Ok(n)
+            }
+        });
+        match peeked {
+            Ok(n) => return n > 0,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            Err(_) => return false,
+        }
+    }
+}
+
 async fn serve(stream: UnixStream, agent: Arc<Agent>) {
     let watcher = agent.clone();
     let service = service_fn(move |req| {
@@ -173,7 +216,10 @@ async fn serve(stream: UnixStream, agent: Arc<Agent>) {
     builder
         .initial_stream_window_size(1 << 20)
         .initial_connection_window_size(4 << 20)
-        .max_concurrent_streams(1024);
+        .max_concurrent_streams(1024)
+        .timer(TokioTimer::new())
+        .keep_alive_interval(KEEPALIVE_INTERVAL)
+        .keep_alive_timeout(KEEPALIVE_TIMEOUT);
     let conn = builder.serve_connection(TokioIo::new(stream), service);
     tokio::select! {
         r = conn => if let Err(e) = r {

@@ -27,7 +27,7 @@ use space_agent::protocol::{
     self, CommandInfo, ExitStatus, Frame, FrameDecoder, Hello, HelloReply, PtySize, SpawnReply,
     MAX_DATA_CHUNK, PROTOCOL_VERSION, RETAIN_MAX_BYTES,
 };
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixListener;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
@@ -208,6 +208,19 @@ impl Host {
 
     /// Accepts the agent's next connection, checks its hello and accepts it.
     async fn accept(&self) -> Conn {
+        let stream = self.accept_raw().await;
+        let (send, conn) =
+            hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(stream))
+                .await
+                .expect("h2 handshake");
+        let task = tokio::spawn(async move {
+            let _ = conn.await;
+        });
+        Conn { send, task }
+    }
+
+    /// Accepts the agent's next connection and completes the handshake, no more.
+    async fn accept_raw(&self) -> tokio::net::UnixStream {
         let (mut stream, _) = within("agent to connect", self.listener.accept())
             .await
             .expect("accept");
@@ -227,14 +240,7 @@ impl Host {
         let mut out = serde_json::to_vec(&reply).expect("json");
         out.push(b'\n');
         stream.write_all(&out).await.expect("write reply");
-        let (send, conn) =
-            hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(stream))
-                .await
-                .expect("h2 handshake");
-        let task = tokio::spawn(async move {
-            let _ = conn.await;
-        });
-        Conn { send, task }
+        stream
     }
 }
 
@@ -1188,4 +1194,63 @@ async fn a_command_that_exits_leaves_its_daemons_running() {
     let out = run(&mut conn, "kill", &format!("kill -9 {pid}")).await;
     assert_eq!(out.exit.and_then(|e| e.exit_code), Some(0));
     assert!(gone(&mut conn, "gone", pid).await, "{pid} survived");
+}
+
+#[tokio::test]
+async fn a_host_that_never_speaks_http2_is_dropped() {
+    // It answers the hello and then says nothing more.
+    let host = Host::start();
+    let mut silent = host.accept_raw().await;
+    let mut conn = host.accept().await;
+    let mut sink = Vec::new();
+    within(
+        "the silent connection to close",
+        silent.read_to_end(&mut sink),
+    )
+    .await
+    .expect("read");
+    let out = run(&mut conn, "after", "echo still-here").await;
+    assert_eq!(out.stdout, b"still-here\n");
+}
+
+#[tokio::test]
+async fn a_host_that_stops_answering_is_dropped_and_the_agent_dials_again() {
+    // A host that vanished without the hangup reaching the agent looks like this:
+    // the connection stays open and nothing answers, not even HTTP/2 pings.
+    let host = Host::start();
+    let agent_side = host.accept_raw().await;
+    let (near, far) = tokio::net::UnixStream::pair().expect("pair");
+    let (freeze, frozen) = tokio::sync::oneshot::channel::<()>();
+    let proxy = tokio::spawn(async move {
+        let (mut a, mut b) = (agent_side, far);
+        tokio::select! {
+            _ = tokio::io::copy_bidirectional(&mut a, &mut b) => {}
+            _ = frozen => {}
+        }
+        a
+    });
+    let (send, h2) =
+        hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(near))
+            .await
+            .expect("h2 handshake");
+    let task = tokio::spawn(async move {
+        let _ = h2.await;
+    });
+    let mut first = Conn { send, task };
+    let out = run(&mut first, "before", "echo hello").await;
+    assert_eq!(out.stdout, b"hello\n");
+
+    // Freeze: the agent's end stays open, nothing reads or writes it.
+    freeze.send(()).expect("freeze");
+    let mut silent = proxy.await.expect("proxy");
+    let mut conn = host.accept().await;
+    let mut sink = Vec::new();
+    within(
+        "the frozen connection to close",
+        silent.read_to_end(&mut sink),
+    )
+    .await
+    .expect("read");
+    let out = run(&mut conn, "after", "echo still-here").await;
+    assert_eq!(out.stdout, b"still-here\n");
 }

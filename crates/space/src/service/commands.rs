@@ -29,7 +29,7 @@ use super::output::{self, OutputProgress, OutputWriter, View};
 use super::{lock, validate_env, SandboxHandle, Service, ServiceError};
 
 /// How long a new command waits for the sandbox's agent to be connected.
-const SPAWN_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+const SPAWN_CONNECT_TIMEOUT: Duration = Duration::from_secs(20);
 /// Inline output cap per stream for `wait:true`.
 const INLINE_OUTPUT_MAX: usize = 1 << 20;
 /// Data per NDJSON line.

@@ -345,20 +345,35 @@ impl Service {
         }
         // A checkpoint cannot save an open host socket: close ours, and have the agent
         // drop its end. Its commands keep running and their output stays buffered.
+        // An agent that is still dialling in (just after a server restart) is waited
+        // for first: a checkpoint taken while it connects would catch a half-open socket.
         self.update_op(op_id, |op| {
             op.progress = Some("disconnecting the agent".into())
         })
         .map_err(internal)?;
-        let conn = handle.agent.borrow().clone();
-        handle.stop_listener_keep_connection();
-        if let Some(conn) = conn {
-            let _ = tokio::time::timeout(
-                Duration::from_secs(2),
-                conn.json::<serde_json::Value>(http::Method::POST, "/v1/quiesce", None::<&()>),
-            )
-            .await;
-        }
         let mut rx = handle.agent.subscribe();
+        let conn = match agent::wait_connected(&mut rx, QUIESCE_TIMEOUT).await {
+            Ok(conn) => conn,
+            Err(_) => {
+                let e = ApiError::new(
+                    "agent_unavailable",
+                    format!(
+                        "the sandbox's agent is not connected (waited {}s); the sandbox keeps running",
+                        QUIESCE_TIMEOUT.as_secs()
+                    ),
+                );
+                self.settle_after_failure(handle, SandboxEvent::SuspendAborted, &e)
+                    .await;
+                return Err(e);
+            }
+        };
+        handle.stop_listener_keep_connection();
+        let _ = tokio::time::timeout(
+            Duration::from_secs(2),
+            conn.json::<serde_json::Value>(http::Method::POST, "/v1/quiesce", None::<&()>),
+        )
+        .await;
+        drop(conn);
         let gone = matches!(
             tokio::time::timeout(QUIESCE_TIMEOUT, rx.wait_for(|c| c.is_none())).await,
             Ok(Ok(_))
