@@ -39,7 +39,7 @@ if ! runsc --version 2>/dev/null | grep -qE 'version 0\.0~2024'; then
 fi
 
 missing=()
-for pkg in mmdebstrap busybox-static ca-certificates util-linux tmux; do
+for pkg in mmdebstrap busybox-static ca-certificates util-linux mount e2fsprogs tmux; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'install ok installed' || missing+=("$pkg")
 done
 if [ "${#missing[@]}" -gt 0 ]; then

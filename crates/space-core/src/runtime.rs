@@ -24,6 +24,9 @@ pub struct SandboxSpec {
     pub vcpus: u32,
     pub memory_mib: u64,
     pub pids: u64,
+    /// Size of the sandbox's writable layer, MiB; writes past it fail with ENOSPC
+    /// inside the sandbox. 0 means no limit.
+    pub disk_mib: u64,
     pub hostname: String,
 }
 
@@ -96,4 +99,8 @@ pub trait Runtime: Send + Sync + 'static {
     ) -> Result<(), RuntimeError>;
     /// Resident memory of everything the sandbox runs on the host, if it runs.
     fn resident_bytes(&self, id: &str, state_dir: &std::path::Path) -> Option<u64>;
+    /// Bytes the sandbox's writable layer takes on the host's disk, if known.
+    fn disk_bytes(&self, _id: &str, _state_dir: &std::path::Path) -> Option<u64> {
+        None
+    }
 }

@@ -17,6 +17,8 @@ use serde_json::json;
 use space_core::runtime::{Runtime, RuntimeError, RuntimeStatus, SandboxSpec};
 use tokio::process::Command;
 
+use crate::disk;
+
 /// Where the agent binary's directory is mounted inside the sandbox.
 pub const AGENT_DIR_IN_SANDBOX: &str = "/.space/bin";
 /// Where the per-sandbox run directory is mounted inside the sandbox.
@@ -239,11 +241,18 @@ impl Runtime for GvisorRuntime {
     async fn create(&self, spec: &SandboxSpec) -> Result<(), RuntimeError> {
         let bundle = spec.state_dir.join("bundle");
         let overlay = spec.state_dir.join("overlay");
-        for dir in [&bundle, &overlay, &self.state_root] {
+        for dir in [&bundle, &self.state_root] {
             tokio::fs::create_dir_all(dir)
                 .await
                 .map_err(|e| RuntimeError::io(format!("creating {}", dir.display()), e))?;
         }
+        // The writable layer lives on the sandbox's own quota'd filesystem.
+        disk::ensure_mounted(
+            &spec.state_dir.join(disk::IMAGE_FILE),
+            &overlay,
+            spec.disk_mib,
+        )
+        .await?;
         let config = serde_json::to_vec_pretty(&self.oci_spec(spec)).unwrap_or_default();
         tokio::fs::write(bundle.join("config.json"), config)
             .await
@@ -299,6 +308,7 @@ impl Runtime for GvisorRuntime {
         let bundle = format!("--bundle={}", state_dir.join("bundle").display());
         wait_for_processes_gone(&bundle).await?;
         Self::remove_cgroups(id);
+        disk::unmount_below(state_dir).await?;
         Ok(())
     }
 
@@ -368,6 +378,8 @@ impl Runtime for GvisorRuntime {
         let bundle = format!("--bundle={}", state_dir.join("bundle").display());
         wait_for_processes_gone(&bundle).await?;
         Self::remove_cgroups(id);
+        // The snapshot holds the writable layer; its filesystem stays on disk, unmounted.
+        disk::unmount_below(state_dir).await?;
         Ok(())
     }
 
@@ -382,6 +394,10 @@ impl Runtime for GvisorRuntime {
             let _ = self.run(&["delete", "--force", id]).await;
         }
         let bundle = state_dir.join("bundle");
+        let image = state_dir.join(disk::IMAGE_FILE);
+        if image.exists() {
+            disk::ensure_mounted(&image, &state_dir.join("overlay"), 1).await?;
+        }
         self.launch(
             state_dir,
             &[
@@ -409,6 +425,11 @@ impl Runtime for GvisorRuntime {
                 .filter_map(|pid| vm_rss(*pid))
                 .sum(),
         )
+    }
+
+    fn disk_bytes(&self, _id: &str, state_dir: &Path) -> Option<u64> {
+        disk::used_bytes(&state_dir.join("overlay"))
+            .or_else(|| disk::image_bytes(&state_dir.join(disk::IMAGE_FILE)))
     }
 
     async fn list(&self) -> Result<Vec<String>, RuntimeError> {

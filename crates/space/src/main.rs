@@ -93,6 +93,9 @@ struct ServeArgs {
     /// Default memory of a sandbox, MiB.
     #[arg(long, default_value_t = 512)]
     default_memory_mib: u64,
+    /// Default size of a sandbox's writable layer, MiB (its disk quota).
+    #[arg(long, default_value_t = 4096)]
+    default_disk_mib: u64,
     /// Default process limit of a sandbox.
     #[arg(long, default_value_t = 1024)]
     default_pids: u64,
@@ -220,7 +223,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         default_resources: space_api::Resources {
             vcpus: Some(args.default_vcpus),
             memory_mib: Some(args.default_memory_mib),
-            disk_mib: None,
+            disk_mib: Some(args.default_disk_mib),
             pids: Some(args.default_pids),
         },
         retention: std::time::Duration::from_secs(args.retention_seconds),

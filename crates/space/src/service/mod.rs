@@ -429,6 +429,7 @@ impl Service {
             vcpus: rec.sandbox.resources.vcpus.unwrap_or(0),
             memory_mib: rec.sandbox.resources.memory_mib.unwrap_or(0),
             pids: rec.sandbox.resources.pids.unwrap_or(0),
+            disk_mib: rec.sandbox.resources.disk_mib.unwrap_or(0),
             hostname: id.replace('_', "-"),
         };
         self.0

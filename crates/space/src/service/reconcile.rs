@@ -196,6 +196,8 @@ impl Service {
                 for e in entries.flatten() {
                     let name = e.file_name().to_string_lossy().into_owned();
                     if !live.contains(&name) {
+                        // A crash may have left its disk mounted there.
+                        let _ = space_runtime::disk::unmount_below(&e.path()).await;
                         let _ = std::fs::remove_dir_all(e.path());
                     }
                 }

@@ -107,9 +107,11 @@ impl Service {
             SandboxState::Running | SandboxState::Paused | SandboxState::Pausing => {
                 sb.cost.memory_bytes = self.0.runtime.resident_bytes(&sb.id, &dir);
                 sb.cost.snapshot_bytes = None;
+                sb.cost.disk_bytes = self.0.runtime.disk_bytes(&sb.id, &dir);
             }
             SandboxState::Suspended => {
                 sb.cost.memory_bytes = Some(0);
+                sb.cost.disk_bytes = self.0.runtime.disk_bytes(&sb.id, &dir);
             }
             _ => sb.cost.memory_bytes = None,
         }

@@ -431,5 +431,13 @@ impl Drop for TestServer {
                 }
             }
         }
+        // Nor leave sandbox disks mounted (the data dir could not be removed).
+        let data = self.data.path().to_string_lossy().into_owned();
+        let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+        for point in mounts.lines().filter_map(|l| l.split(' ').nth(4)) {
+            if point.starts_with(&data) {
+                let _ = Command::new("umount").arg("-l").arg(point).status();
+            }
+        }
     }
 }
