@@ -180,6 +180,8 @@ pub async fn handle(agent: Arc<Agent>, req: Request<Incoming>) -> Response<Body>
         }
         (["commands", id, "signal"], Method::POST) => signal(&agent, id, req.into_body()).await,
         (["commands", _, "attach" | "signal"], _) => method_not_allowed(),
+        (["files"], _) => crate::files::handle("", req).await,
+        (["files", op], _) => crate::files::handle(op, req).await,
         _ => error(StatusCode::NOT_FOUND, "not_found", "no such endpoint"),
     }
 }

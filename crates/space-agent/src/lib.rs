@@ -4,4 +4,5 @@
 //! The library half ([`protocol`]) is shared by the agent binary and the host;
 //! the host treats every byte it decodes with it as hostile.
 
+pub mod fs;
 pub mod protocol;

@@ -6,6 +6,7 @@
 //! output live in [`http::Agent`] and survive reconnects.
 
 mod command;
+mod files;
 mod http;
 mod pty;
 mod reaper;

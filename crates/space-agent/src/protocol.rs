@@ -23,6 +23,45 @@
 //! - `POST /v1/quiesce`: drop the host connection now (a checkpoint cannot save an open
 //!   host socket); the agent keeps its commands and dials again with backoff.
 //!
+//! File endpoints (implemented with [`crate::fs`]; the host's public
+//! `/v1/sandboxes/{id}/files…` API forwards path suffix, query and body verbatim).
+//! Every `path` is absolute, UTF-8, at most 4096 bytes (components 255), without `..`,
+//! percent-encoded in the query (`+` is a space). Paths resolve inside the files root
+//! (`/`, or `SPACE_AGENT_FILES_ROOT`): symbolic links are followed by descriptor, absolute
+//! targets restart at that root and `..` stops there. `/.space`, `/proc`, `/sys` and `/dev`
+//! are refused (403 `forbidden_path`) however they are reached, and left out of lists and
+//! archives. stat, list, delete and move act on a final link itself; the others follow it.
+//! - `GET /v1/files/stat?path=P` → [`crate::fs::FileInfo`] (`path`, `name`, `type`
+//!   (`file|dir|symlink|other`), `size`, `mode` (`& 0o7777`), `uid`, `gid`, `mtime`,
+//!   `link_target`?, `name_base64`? when the name is not UTF-8).
+//! - `GET /v1/files/list?path=P&depth=N` (1..=64, default 1) → [`crate::fs::Listing`]
+//!   `{path, entries, truncated}`: depth-first, sorted by name, at most 10 000 entries,
+//!   links never followed; a non-directory lists as itself.
+//! - `GET /v1/files?path=P` → the bytes of a regular file (`application/octet-stream`,
+//!   `content-length`, `x-space-mode` (octal), `x-space-uid`, `x-space-gid`). A directory, device,
+//!   fifo or socket → 400 `not_a_file`.
+//! - `GET /v1/files?path=P&format=tar` → an uncompressed tar (`application/x-tar`): a
+//!   directory's contents relative to it, or one entry for a file; modes, owners, mtimes,
+//!   links and hard links kept; devices, fifos and sockets skipped. An error after the
+//!   headers went out ends the archive with a block no tar reader accepts and an
+//!   `x-space-error` trailer holding the error JSON.
+//! - `PUT /v1/files?path=P[&mode=0644][&uid=0][&gid=0]` with the bytes → 201 + `FileInfo`.
+//!   Atomic (temporary file in the same directory, then rename); the parent must exist.
+//! - `PUT /v1/files?path=DIR&format=tar[&gzip=true][&max_bytes=N]` with a tar → 201 +
+//!   `{entries, bytes}`. DIR is created like `mkdir -p`. Files, directories, links and
+//!   hard links to earlier files of the archive; devices, fifos, `..`, absolute names and
+//!   entries below a symbolic link → 400 `unsafe_archive`; more than `max_bytes` (default
+//!   8 GiB) or 200 000 entries → 413 `too_large`. A failed upload removes what it created.
+//! - `DELETE /v1/files?path=P[&recursive=true]` → `{"removed": n}`; a non-empty directory
+//!   without `recursive` → 409; `/` → 400.
+//! - `POST /v1/files/mkdir` `{path, mode? (493), uid?, gid?}` → 201 + `FileInfo` (`mkdir -p`).
+//! - `POST /v1/files/move` `{from, to, overwrite? (false)}` → 200 + `FileInfo` of `to`;
+//!   an existing `to` without `overwrite` → 409.
+//!
+//! File errors: 400 `invalid_path`/`invalid_request`/`not_a_file`/`unsafe_archive`,
+//! 403 `forbidden_path`, 404 `not_found`, 409 `conflict`, 413 `too_large`, 507 `no_space`
+//! (the sandbox's disk quota), 500 `internal`.
+//!
 //! Errors are `{"error":{"code","message"}}` ([`ErrorBody`]) with a 4xx/5xx status.
 //!
 //! Output is never dropped: the agent keeps every byte the host has not acknowledged
