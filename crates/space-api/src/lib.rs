@@ -251,6 +251,9 @@ pub struct Operation {
     pub kind: OperationKind,
     pub status: OperationStatus,
     pub sandbox_id: Option<String>,
+    /// The template a `build` operation builds (`null` for other kinds).
+    #[serde(default)]
+    pub template: Option<String>,
     pub error: Option<ApiError>,
     /// A short human-readable line about what the operation is doing.
     pub progress: Option<String>,
@@ -372,9 +375,16 @@ pub struct Template {
     pub name: String,
     pub ready: bool,
     pub builtin: bool,
+    /// The current version.
     pub version: Option<String>,
     pub size_bytes: Option<u64>,
     pub created_at: Option<String>,
+    /// Every version on disk, oldest first.
+    #[serde(default)]
+    pub versions: Vec<String>,
+    /// What a recipe-built template was built from (`null` for built-ins).
+    #[serde(default)]
+    pub base: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]

@@ -1,5 +1,6 @@
 //! Runtime drivers for space sandboxes and the template store on disk.
 
+pub mod build;
 pub mod disk;
 pub mod gvisor;
 pub mod template;

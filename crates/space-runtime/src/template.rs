@@ -9,6 +9,18 @@
 //! <root>/.build-<name>-<hex>/    a build in progress (or a crashed one, removed by the next build)
 //! ```
 //!
+//! Templates built from recipes ([`crate::build`]) are immutable and versioned:
+//!
+//! ```text
+//! <root>/<name>/current                     the current version (`v3`), replaced atomically
+//! <root>/<name>/versions/<v>/template.json  one version's metadata; its rootfs is a layer
+//! <root>/.layers/<sha256>/rootfs/           an immutable, content-addressed layer (the build cache)
+//! <root>/.layers/.<sha256>.lock             flock(2) held while that layer is being built
+//! <root>/.layers/.tmp-<sha256>-<hex>/       a layer being built (removed if the build dies)
+//! ```
+//!
+//! The built-in templates keep the flat layout above (one version, rebuilt when missing).
+//!
 //! A build happens entirely inside a private `.build-…` directory, which is renamed into place only
 //! after its metadata and contents are on disk. A reader therefore sees either no template or a
 //! complete one, and two processes sharing a root serialise their builds on the lock file.
@@ -35,6 +47,9 @@ const RECIPE_VERSION: &str = "1";
 const METADATA_FILE: &str = "template.json";
 const ROOTFS_DIR: &str = "rootfs";
 const BUILD_PREFIX: &str = ".build-";
+const CURRENT_FILE: &str = "current";
+const VERSIONS_DIR: &str = "versions";
+const LAYERS_DIR: &str = ".layers";
 /// Hex digits in the random suffix of a build directory.
 const BUILD_SUFFIX_LEN: usize = 16;
 
@@ -99,6 +114,42 @@ pub enum TemplateError {
     },
     #[error("template store I/O failed")]
     Io(#[from] io::Error),
+    #[error("template {0:?} is built in: it cannot be deleted or rebuilt from a recipe")]
+    Builtin(String),
+}
+
+/// Default resources of new sandboxes of a template (each one optional).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DefaultResources {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vcpus: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_mib: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk_mib: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pids: Option<u64>,
+}
+
+/// A command started in every new sandbox of a template once it runs.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StartSpec {
+    /// Run by `/bin/sh -c` as a background command.
+    pub run: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ready: Option<ReadySpec>,
+}
+
+/// A check run every 200 ms after the start command until it exits 0.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReadySpec {
+    pub run: String,
+    /// Default 30.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_seconds: Option<u64>,
 }
 
 /// A ready template: a root filesystem directory and how to run processes in it.
@@ -118,6 +169,18 @@ pub struct Template {
     pub size_bytes: u64,
     /// When the build finished, RFC 3339 UTC.
     pub created_at: String,
+    /// The layer (under `<root>/.layers/`) that is the rootfs of a recipe-built version.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layer: Option<String>,
+    /// Default resources of new sandboxes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resources: Option<DefaultResources>,
+    /// Started in every new sandbox once it runs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start: Option<StartSpec>,
+    /// What the template was built from (`busybox`, `template:NAME`, …); `None` for built-ins.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base: Option<String>,
 }
 
 /// One entry of [`TemplateStore::list`].
@@ -127,6 +190,8 @@ pub struct TemplateInfo {
     pub ready: bool,
     pub builtin: bool,
     pub template: Option<Template>,
+    /// Every version on disk, oldest first (a built-in has at most its one).
+    pub versions: Vec<String>,
 }
 
 /// Templates on local disk under one root directory; see the module documentation for the layout.
@@ -172,7 +237,8 @@ impl TemplateStore {
             };
             if validate_name(&name).is_ok()
                 && !is_builtin(&name)
-                && entry.path().join(METADATA_FILE).exists()
+                && (entry.path().join(METADATA_FILE).exists()
+                    || entry.path().join(CURRENT_FILE).exists())
             {
                 names.push(name);
             }
@@ -192,7 +258,13 @@ impl TemplateStore {
             if template.is_none() && !builtin {
                 continue;
             }
+            let versions = if self.root.join(&name).join(CURRENT_FILE).exists() {
+                self.versions(&name)?
+            } else {
+                template.iter().map(|t| t.version.clone()).collect()
+            };
             infos.push(TemplateInfo {
+                versions,
                 ready: template.is_some(),
                 builtin,
                 template,
@@ -261,8 +333,15 @@ impl TemplateStore {
         Ok(template)
     }
 
-    /// Reads `<root>/<name>/template.json`; `None` if it does not exist.
+    /// The current version of `name`: `<root>/<name>/current` → its version, or the flat
+    /// `<root>/<name>/template.json` of a built-in; `None` if neither exists.
     fn load(&self, name: &str) -> Result<Option<Template>, TemplateError> {
+        let current = self.root.join(name).join(CURRENT_FILE);
+        match fs::read_to_string(&current) {
+            Ok(version) => return self.load_version(name, version.trim()).map(Some),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e).at("read", &current),
+        }
         let path = self.root.join(name).join(METADATA_FILE);
         let bytes = match fs::read(&path) {
             Ok(bytes) => bytes,
@@ -279,6 +358,159 @@ impl TemplateStore {
         template.name = name.to_owned();
         template.rootfs = self.root.join(name).join(ROOTFS_DIR);
         Ok(Some(template))
+    }
+
+    /// Version `version` of recipe-built template `name`.
+    pub fn load_version(&self, name: &str, version: &str) -> Result<Template, TemplateError> {
+        validate_name(name)?;
+        if !is_version(version) {
+            return Err(TemplateError::UnknownTemplate(format!("{name}@{version}")));
+        }
+        let path = self
+            .root
+            .join(name)
+            .join(VERSIONS_DIR)
+            .join(version)
+            .join(METADATA_FILE);
+        let bytes = match fs::read(&path) {
+            Ok(b) => b,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                return Err(TemplateError::UnknownTemplate(format!("{name}@{version}")))
+            }
+            Err(e) => return Err(e).at("read", &path),
+        };
+        let mut template: Template =
+            serde_json::from_slice(&bytes).map_err(|source| TemplateError::Metadata {
+                name: name.to_owned(),
+                path: path.clone(),
+                source,
+            })?;
+        template.name = name.to_owned();
+        template.version = version.to_owned();
+        if let Some(layer) = &template.layer {
+            template.rootfs = self.layers_dir().join(layer).join(ROOTFS_DIR);
+        }
+        Ok(template)
+    }
+
+    /// The versions of recipe-built template `name`, oldest first.
+    pub fn versions(&self, name: &str) -> Result<Vec<String>, TemplateError> {
+        let dir = self.root.join(name).join(VERSIONS_DIR);
+        let entries = match fs::read_dir(&dir) {
+            Ok(e) => e,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) => return Err(e).at("list", &dir),
+        };
+        let mut versions: Vec<(u64, String)> = Vec::new();
+        for entry in entries {
+            let entry = entry.at("list", &dir)?;
+            if let Some(v) = entry.file_name().to_str() {
+                if let (true, Ok(n)) = (is_version(v), v[1..].parse::<u64>()) {
+                    if entry.path().join(METADATA_FILE).exists() {
+                        versions.push((n, v.to_owned()));
+                    }
+                }
+            }
+        }
+        versions.sort();
+        Ok(versions.into_iter().map(|(_, v)| v).collect())
+    }
+
+    /// `<root>/.layers`: the content-addressed layer cache of recipe builds.
+    pub fn layers_dir(&self) -> PathBuf {
+        self.root.join(LAYERS_DIR)
+    }
+
+    /// Publishes `template` (built from a recipe, its rootfs the layer `template.layer`) as the
+    /// next version of `template.name` and makes it current. If the current version has the same
+    /// layer and settings, nothing is written and that version is returned (`false`).
+    pub async fn publish_version(
+        &self,
+        mut template: Template,
+    ) -> Result<(Template, bool), TemplateError> {
+        let name = template.name.clone();
+        validate_name(&name)?;
+        if is_builtin(&name) {
+            return Err(TemplateError::Builtin(name));
+        }
+        let _lock = BuildLock::acquire(&self.root, &name).await?;
+        if let Some(current) = self.load(&name)? {
+            let same = |a: &Template, b: &Template| {
+                a.layer == b.layer
+                    && a.rootfs == b.rootfs
+                    && a.env == b.env
+                    && a.workdir == b.workdir
+                    && a.user == b.user
+                    && a.resources == b.resources
+                    && a.start == b.start
+            };
+            if same(&current, &template) {
+                return Ok((current, false));
+            }
+        }
+        let store = self.clone();
+        blocking(&name.clone(), move || {
+            let versions = store.versions(&name)?;
+            let next = versions
+                .last()
+                .and_then(|v| v[1..].parse::<u64>().ok())
+                .unwrap_or(0)
+                + 1;
+            let version = format!("v{next}");
+            let summary = summarize(&template.rootfs)?;
+            template.version = version.clone();
+            template.size_bytes = summary.size_bytes;
+            template.created_at = time::OffsetDateTime::now_utc()
+                .format(&time::format_description::well_known::Rfc3339)
+                .map_err(|e| TemplateError::Io(io::Error::other(e)))?;
+            let versions_dir = store.root.join(&name).join(VERSIONS_DIR);
+            fs::create_dir_all(&versions_dir).at("create", &versions_dir)?;
+            let tmp = versions_dir.join(format!(".tmp-{version}"));
+            if tmp.exists() {
+                remove_tree(&tmp)?;
+            }
+            fs::create_dir(&tmp).at("create", &tmp)?;
+            let json = serde_json::to_vec_pretty(&template).map_err(|e| TemplateError::Build {
+                name: name.clone(),
+                message: format!("cannot encode metadata: {e}"),
+            })?;
+            write_atomic(&tmp.join(METADATA_FILE), &json)?;
+            let dir = versions_dir.join(&version);
+            fs::rename(&tmp, &dir).at("publish", &dir)?;
+            fsync_dir(&versions_dir)?;
+            write_atomic(
+                &store.root.join(&name).join(CURRENT_FILE),
+                version.as_bytes(),
+            )?;
+            Ok((template, true))
+        })
+        .await
+    }
+
+    /// Removes recipe-built template `name` with all its versions (its layers stay in the
+    /// cache). Built-ins are refused. The caller checks that no sandbox uses it.
+    pub async fn delete(&self, name: &str) -> Result<(), TemplateError> {
+        validate_name(name)?;
+        if is_builtin(name) {
+            return Err(TemplateError::Builtin(name.to_owned()));
+        }
+        let _lock = BuildLock::acquire(&self.root, name).await?;
+        let dir = self.root.join(name);
+        if !dir.join(CURRENT_FILE).exists() && !dir.join(METADATA_FILE).exists() {
+            return Err(TemplateError::UnknownTemplate(name.to_owned()));
+        }
+        let root = self.root.clone();
+        let owned = name.to_owned();
+        blocking(name, move || {
+            let mut random = [0u8; 8];
+            getrandom::getrandom(&mut random)
+                .map_err(|e| TemplateError::Io(io::Error::other(e.to_string())))?;
+            let doomed = root.join(format!(".deleted-{owned}-{}", hex(&random)));
+            fs::rename(root.join(&owned), &doomed).at("remove", &doomed)?;
+            fsync_dir(&root)?;
+            remove_tree(&doomed)
+        })
+        .await
     }
 
     /// Builds built-in `name`. The caller holds its build lock.
@@ -324,7 +556,7 @@ impl TemplateStore {
                 progress(format!(
                     "building debian with mmdebstrap ({DEBIAN_SUITE}, {DEBIAN_PACKAGES})"
                 ));
-                run_mmdebstrap(name, &rootfs, progress).await?;
+                run_mmdebstrap(name, &rootfs, &[], progress).await?;
                 progress("finishing debian: adding user, cleaning caches".to_owned());
                 let rootfs = rootfs.clone();
                 blocking(name, move || finish_debian(&rootfs)).await?;
@@ -350,7 +582,7 @@ impl TemplateStore {
 }
 
 /// Checks `name` against `[a-z0-9][a-z0-9._-]{0,62}`.
-fn validate_name(name: &str) -> Result<(), TemplateError> {
+pub(crate) fn validate_name(name: &str) -> Result<(), TemplateError> {
     let bytes = name.as_bytes();
     let ok = !bytes.is_empty()
         && bytes.len() <= 63
@@ -365,12 +597,17 @@ fn validate_name(name: &str) -> Result<(), TemplateError> {
     }
 }
 
-fn is_builtin(name: &str) -> bool {
+/// `v<digits>`.
+fn is_version(v: &str) -> bool {
+    v.len() > 1 && v.len() <= 20 && v.starts_with('v') && v[1..].bytes().all(|b| b.is_ascii_digit())
+}
+
+pub(crate) fn is_builtin(name: &str) -> bool {
     TemplateStore::BUILTIN.contains(&name)
 }
 
 /// Runs blocking filesystem work off the async runtime.
-async fn blocking<T: Send + 'static>(
+pub(crate) async fn blocking<T: Send + 'static>(
     name: &str,
     f: impl FnOnce() -> Result<T, TemplateError> + Send + 'static,
 ) -> Result<T, TemplateError> {
@@ -383,12 +620,12 @@ async fn blocking<T: Send + 'static>(
 }
 
 /// Exclusive flock on `<root>/.<name>.lock`, released on drop (or when the process dies).
-struct BuildLock {
+pub(crate) struct BuildLock {
     _file: File,
 }
 
 impl BuildLock {
-    fn open(root: &Path, name: &str) -> Result<File, TemplateError> {
+    pub(crate) fn open(root: &Path, name: &str) -> Result<File, TemplateError> {
         let path = root.join(format!(".{name}.lock"));
         // std opens with O_CLOEXEC, so build tools never inherit (and keep holding) the lock.
         OpenOptions::new()
@@ -401,7 +638,7 @@ impl BuildLock {
             .at("open lock file", &path)
     }
 
-    fn try_acquire(root: &Path, name: &str) -> Result<Option<Self>, TemplateError> {
+    pub(crate) fn try_acquire(root: &Path, name: &str) -> Result<Option<Self>, TemplateError> {
         let file = Self::open(root, name)?;
         if flock(&file, libc::LOCK_EX | libc::LOCK_NB)? {
             Ok(Some(Self { _file: file }))
@@ -410,7 +647,7 @@ impl BuildLock {
         }
     }
 
-    async fn acquire(root: &Path, name: &str) -> Result<Self, TemplateError> {
+    pub(crate) async fn acquire(root: &Path, name: &str) -> Result<Self, TemplateError> {
         let file = Self::open(root, name)?;
         // If this future is dropped, the blocking thread still gets the lock and then drops it with the file.
         let file = tokio::task::spawn_blocking(move || {
@@ -486,7 +723,7 @@ fn is_build_dir_of(file_name: &OsStr, name: &str) -> bool {
     suffix.len() == BUILD_SUFFIX_LEN && suffix.bytes().all(|b| b.is_ascii_hexdigit())
 }
 
-fn hex(bytes: &[u8]) -> String {
+pub(crate) fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
@@ -513,6 +750,10 @@ fn publish(
         user,
         size_bytes: summary.size_bytes,
         created_at,
+        layer: None,
+        resources: None,
+        start: None,
+        base: None,
     };
     let json = serde_json::to_vec_pretty(&template).map_err(|e| TemplateError::Build {
         name: name.to_owned(),
@@ -536,7 +777,7 @@ fn publish(
 }
 
 /// Writes `path` via a temporary file, fsync and rename, so readers see the old or the new content.
-fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), TemplateError> {
+pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), TemplateError> {
     let mut tmp = path.as_os_str().to_owned();
     tmp.push(".tmp");
     let tmp = PathBuf::from(tmp);
@@ -551,19 +792,19 @@ fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), TemplateError> {
     Ok(())
 }
 
-fn fsync_dir(dir: &Path) -> Result<(), TemplateError> {
+pub(crate) fn fsync_dir(dir: &Path) -> Result<(), TemplateError> {
     File::open(dir).and_then(|d| d.sync_all()).at("sync", dir)
 }
 
-struct Summary {
-    size_bytes: u64,
-    content_id: u64,
+pub(crate) struct Summary {
+    pub(crate) size_bytes: u64,
+    pub(crate) content_id: u64,
 }
 
 /// Disk usage (hard links counted once, like `du`) and a fingerprint of the tree: names, types,
 /// modes, owners, sizes and link targets, walked in sorted order. Timestamps are left out, so
 /// identical builds get the same id; file contents are left out to keep this fast.
-fn summarize(rootfs: &Path) -> Result<Summary, TemplateError> {
+pub(crate) fn summarize(rootfs: &Path) -> Result<Summary, TemplateError> {
     fn walk(
         dir: &Path,
         rel: &Path,
@@ -635,7 +876,7 @@ impl Fnv {
 
 /// Removes a directory tree without ever crossing into another filesystem (a mount left behind
 /// by a killed build tool must not take the host's /dev or /proc with it).
-fn remove_tree(path: &Path) -> Result<(), TemplateError> {
+pub(crate) fn remove_tree(path: &Path) -> Result<(), TemplateError> {
     fn remove(path: &Path, dev: u64) -> Result<(), TemplateError> {
         let meta = match fs::symlink_metadata(path) {
             Ok(m) => m,
@@ -680,22 +921,22 @@ fn remove_tree(path: &Path) -> Result<(), TemplateError> {
 }
 
 /// Creates `path` (and missing parents) and sets its mode exactly, whatever the umask.
-fn make_dir(path: &Path, mode: u32) -> Result<(), TemplateError> {
+pub(crate) fn make_dir(path: &Path, mode: u32) -> Result<(), TemplateError> {
     fs::create_dir_all(path).at("create", path)?;
     fs::set_permissions(path, fs::Permissions::from_mode(mode)).at("set mode of", path)
 }
 
-fn write_file(path: &Path, content: &str, mode: u32) -> Result<(), TemplateError> {
+pub(crate) fn write_file(path: &Path, content: &str, mode: u32) -> Result<(), TemplateError> {
     fs::write(path, content).at("write", path)?;
     fs::set_permissions(path, fs::Permissions::from_mode(mode)).at("set mode of", path)
 }
 
-fn chown(path: &Path, uid: u32, gid: u32) -> Result<(), TemplateError> {
+pub(crate) fn chown(path: &Path, uid: u32, gid: u32) -> Result<(), TemplateError> {
     std::os::unix::fs::lchown(path, Some(uid), Some(gid)).at("change owner of", path)
 }
 
 /// Creates the mount points every template needs, leaving /proc, /sys, /dev and /tmp empty.
-fn add_mount_points(rootfs: &Path) -> Result<(), TemplateError> {
+pub(crate) fn add_mount_points(rootfs: &Path) -> Result<(), TemplateError> {
     for (rel, mode) in MOUNT_POINTS {
         let path = rootfs.join(rel);
         if fs::symlink_metadata(&path).is_ok_and(|m| !m.is_dir()) {
@@ -712,7 +953,7 @@ fn add_mount_points(rootfs: &Path) -> Result<(), TemplateError> {
 }
 
 /// Network configuration belongs to the sandbox, not to the template (or to the host that built it).
-fn write_network_files(rootfs: &Path) -> Result<(), TemplateError> {
+pub(crate) fn write_network_files(rootfs: &Path) -> Result<(), TemplateError> {
     let etc = rootfs.join("etc");
     for file in ["hosts", "hostname", "resolv.conf"] {
         let path = etc.join(file);
@@ -841,7 +1082,7 @@ fn elf_has_interpreter(elf: &[u8]) -> Option<bool> {
 }
 
 /// Finds the build tool `program` in `PATH`, or says how to install it.
-fn find_tool(name: &str, program: &str, hint: &str) -> Result<PathBuf, TemplateError> {
+pub(crate) fn find_tool(name: &str, program: &str, hint: &str) -> Result<PathBuf, TemplateError> {
     find_in_path(&std::env::var_os("PATH").unwrap_or_default(), program).ok_or_else(|| {
         TemplateError::Build {
             name: name.to_owned(),
@@ -881,9 +1122,10 @@ impl Drop for KillGroupOnDrop {
 }
 
 /// Runs mmdebstrap into `rootfs`, passing its output to `progress` (rate-limited).
-async fn run_mmdebstrap(
+pub(crate) async fn run_mmdebstrap(
     name: &str,
     rootfs: &Path,
+    extra_packages: &[String],
     progress: &(dyn Fn(String) + Send + Sync),
 ) -> Result<(), TemplateError> {
     let fail = |message: String| TemplateError::Build {
@@ -900,7 +1142,13 @@ async fn run_mmdebstrap(
         .arg(&mmdebstrap)
         .args([
             "--variant=minbase",
-            &format!("--include={DEBIAN_PACKAGES}"),
+            &format!(
+                "--include={DEBIAN_PACKAGES}{}",
+                extra_packages
+                    .iter()
+                    .map(|p| format!(",{p}"))
+                    .collect::<String>()
+            ),
             // Documentation and translations are a third of a minimal system and no use in a sandbox.
             "--dpkgopt=path-exclude=/usr/share/man/*",
             "--dpkgopt=path-exclude=/usr/share/doc/*",
@@ -980,7 +1228,7 @@ async fn run_mmdebstrap(
 }
 
 /// Adds the unprivileged user, resets host-specific files, empties caches and adds the mount points.
-fn finish_debian(rootfs: &Path) -> Result<(), TemplateError> {
+pub(crate) fn finish_debian(rootfs: &Path) -> Result<(), TemplateError> {
     add_user(rootfs)?;
     write_network_files(rootfs)?;
     // apt's indexes and downloaded packages are rebuilt by `apt-get update` whenever needed.
@@ -1082,7 +1330,7 @@ fn add_user(rootfs: &Path) -> Result<(), TemplateError> {
 }
 
 /// Adds the path (and what was being done to it) to an I/O error.
-trait IoContext<T> {
+pub(crate) trait IoContext<T> {
     fn at(self, action: &'static str, path: &Path) -> Result<T, TemplateError>;
 }
 
@@ -1097,7 +1345,7 @@ impl<T> IoContext<T> for Result<T, io::Error> {
 }
 
 /// Displays an error with its causes, for log lines.
-struct ErrorChain<'a>(&'a dyn std::error::Error);
+pub(crate) struct ErrorChain<'a>(pub(crate) &'a dyn std::error::Error);
 
 impl std::fmt::Display for ErrorChain<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

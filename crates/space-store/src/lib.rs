@@ -524,6 +524,7 @@ mod tests {
             kind: OperationKind::Create,
             status: OperationStatus::Pending,
             sandbox_id: Some(sb.into()),
+            template: None,
             error: None,
             progress: None,
             created_at: space_core::now_rfc3339(),

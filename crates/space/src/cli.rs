@@ -115,6 +115,7 @@ pub struct ExecArgs {
 }
 
 pub enum ClientCmd {
+    Template(TemplateCmd),
     Sandbox(SandboxCmd),
     Ops(OpsCmd),
     Exec(ExecArgs),
@@ -348,6 +349,7 @@ pub async fn run(cmd: ClientCmd) -> anyhow::Result<i32> {
             }
         }
         ClientCmd::Exec(args) => return exec(&c, args).await,
+        ClientCmd::Template(t) => return template_cmd(&c, t).await,
     }
     Ok(0)
 }
@@ -524,4 +526,140 @@ fn exit_code_of(end: &Value) -> i32 {
         .unwrap_or("no result");
     eprintln!("space: command ended {state}: {reason}");
     255
+}
+
+#[derive(Subcommand)]
+pub enum TemplateCmd {
+    /// Build a template from a recipe (TOML; the fields of `POST /v1/templates`, and `files`
+    /// entries may say `src = "path"`, read relative to the recipe). Prints the build log.
+    Build {
+        #[arg(long, short = 'f')]
+        file: std::path::PathBuf,
+        /// Print the operation and return at once.
+        #[arg(long)]
+        no_wait: bool,
+    },
+    /// List templates with their current version.
+    Ls,
+    /// Delete a template (every version); refused while a sandbox uses it.
+    Rm { name: String },
+}
+
+/// A TOML recipe as the JSON the server takes: `src` files are read and inlined.
+fn recipe_json(path: &std::path::Path) -> anyhow::Result<Value> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("reading the recipe {}", path.display()))?;
+    let recipe: toml::Value =
+        toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+    let mut recipe = serde_json::to_value(recipe)?;
+    let dir = path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(std::path::Path::new("."));
+    if let Some(files) = recipe.get_mut("files").and_then(Value::as_array_mut) {
+        for f in files {
+            let Some(obj) = f.as_object_mut() else {
+                continue;
+            };
+            if let Some(src) = obj.remove("src") {
+                let src = src.as_str().context("files[].src must be a string")?;
+                if obj.contains_key("content") || obj.contains_key("content_base64") {
+                    bail!("file {src}: give src or content, not both");
+                }
+                let bytes = std::fs::read(dir.join(src))
+                    .with_context(|| format!("reading {}", dir.join(src).display()))?;
+                obj.insert(
+                    "content_base64".into(),
+                    base64::engine::general_purpose::STANDARD
+                        .encode(bytes)
+                        .into(),
+                );
+            }
+        }
+    }
+    Ok(recipe)
+}
+
+/// `space template …`.
+async fn template_cmd(c: &Client, cmd: TemplateCmd) -> anyhow::Result<i32> {
+    use reqwest::Method as M;
+    match cmd {
+        TemplateCmd::Build { file, no_wait } => {
+            let recipe = recipe_json(&file)?;
+            let op: Operation = c
+                .send(c.req(M::POST, "/v1/templates").json(&recipe))
+                .await?;
+            if no_wait {
+                print_json(&op)?;
+                return Ok(0);
+            }
+            eprintln!(
+                "building {} (operation {})…",
+                op.template.as_deref().unwrap_or_default(),
+                op.id
+            );
+            // The log, live, until the build ends.
+            let resp = c
+                .req(M::GET, &format!("/v1/operations/{}/log?follow=true", op.id))
+                .send()
+                .await?;
+            if resp.status().is_success() {
+                let mut body = resp.bytes_stream();
+                let mut out = std::io::stdout();
+                while let Some(chunk) = body.next().await {
+                    out.write_all(&chunk?)?;
+                    out.flush()?;
+                }
+            }
+            let op = c.wait_op(&op.id, Duration::from_secs(3600)).await?;
+            match op_outcome(&op) {
+                Ok(()) => {
+                    eprintln!("{}", op.progress.unwrap_or_default());
+                    Ok(0)
+                }
+                Err(e) => {
+                    eprintln!("space: {e:#}");
+                    Ok(1)
+                }
+            }
+        }
+        TemplateCmd::Ls => {
+            let list: TemplateList = c.send(c.req(M::GET, "/v1/templates")).await?;
+            println!(
+                "{:<20} {:<8} {:<8} {:<10} {:<21} BASE",
+                "NAME", "VERSION", "BUILTIN", "SIZE", "CREATED"
+            );
+            for t in list.templates {
+                println!(
+                    "{:<20} {:<8} {:<8} {:<10} {:<21} {}",
+                    t.name,
+                    t.version.as_deref().unwrap_or("-"),
+                    t.builtin,
+                    t.size_bytes
+                        .map(|b| format!("{} MiB", b >> 20))
+                        .unwrap_or_else(|| "-".into()),
+                    t.created_at.as_deref().unwrap_or("-"),
+                    t.base.as_deref().unwrap_or("-"),
+                );
+            }
+            Ok(0)
+        }
+        TemplateCmd::Rm { name } => {
+            let resp = c
+                .req(M::DELETE, &format!("/v1/templates/{name}"))
+                .send()
+                .await
+                .with_context(|| format!("cannot reach the space server at {}", c.base))?;
+            let status = resp.status();
+            if !status.is_success() {
+                let bytes = resp.bytes().await?;
+                match serde_json::from_slice::<ErrorBody>(&bytes) {
+                    Ok(e) => bail!("{} ({}): {}", status, e.error.code, e.error.message),
+                    Err(_) => bail!("{}: {}", status, String::from_utf8_lossy(&bytes)),
+                }
+            }
+            eprintln!("deleted {name}");
+            Ok(0)
+        }
+    }
 }

@@ -38,6 +38,9 @@ enum Cmd {
     Exec(cli::ExecArgs),
     /// List templates.
     Templates,
+    /// Build, list and delete templates.
+    #[command(subcommand)]
+    Template(cli::TemplateCmd),
     /// Follow the server's events (sandbox and operation changes) as JSON lines.
     Events {
         /// Replay from after this event id (0: all retained history).
@@ -116,6 +119,10 @@ struct ServeArgs {
     /// result says output_truncated (0: keep everything).
     #[arg(long, default_value_t = 64)]
     output_cap_mib: u64,
+    /// A host directory that template recipes may import from (`dir:`, `tar:`, `oci:` bases);
+    /// repeatable. None by default: such recipes are refused.
+    #[arg(long = "template-import-dir")]
+    template_import_dirs: Vec<PathBuf>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -161,6 +168,7 @@ impl Cmd {
             Cmd::Ops(c) => cli::ClientCmd::Ops(c),
             Cmd::Exec(a) => cli::ClientCmd::Exec(a),
             Cmd::Templates => cli::ClientCmd::Templates,
+            Cmd::Template(c) => cli::ClientCmd::Template(c),
             Cmd::Events { after } => cli::ClientCmd::Events { after },
             Cmd::Serve(_) | Cmd::Admin(_) => unreachable!("handled in main"),
         }
@@ -233,6 +241,9 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         default_command_timeout_seconds: args.default_command_timeout_seconds,
         max_command_timeout_seconds: args.max_command_timeout_seconds,
         output_cap_bytes: args.output_cap_mib.saturating_mul(1 << 20),
+        template_import_dirs: args.template_import_dirs.clone(),
+        runsc: args.runsc.clone(),
+        platform: args.platform.clone(),
     };
     let service = service::Service::start(cfg, Arc::new(runtime))
         .await

@@ -60,7 +60,9 @@ pub fn router(state: AppState) -> Router {
         .route("/operations", get(operations::list))
         .route("/operations/:id", get(operations::get))
         .route("/operations/:id/cancel", post(operations::cancel))
-        .route("/templates", get(templates::list))
+        .route("/templates", get(templates::list).post(templates::build))
+        .route("/templates/:name", axum::routing::delete(templates::delete))
+        .route("/operations/:id/log", get(operations::log))
         .route("/events", get(events::stream))
         .fallback(not_found)
         .layer(middleware::from_fn_with_state(state.clone(), auth));
@@ -150,6 +152,7 @@ impl IntoResponse for HttpError {
             ServiceError::Conflict(_) => (StatusCode::CONFLICT, "conflict"),
             ServiceError::InvalidTransition(_) => (StatusCode::CONFLICT, "invalid_transition"),
             ServiceError::Unavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
+            ServiceError::Forbidden(_) => (StatusCode::FORBIDDEN, "forbidden"),
             ServiceError::Store(_) | ServiceError::Internal(_) => {
                 tracing::error!(error = %error_chain(&self.0), "internal error");
                 (StatusCode::INTERNAL_SERVER_ERROR, "internal")

@@ -12,6 +12,7 @@ mod lifecycle;
 pub mod output;
 mod reconcile;
 mod retention;
+mod templates;
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
@@ -57,6 +58,11 @@ pub struct Config {
     pub max_command_timeout_seconds: u64,
     /// Output kept per stream of a command; past it the head is dropped (0: keep all).
     pub output_cap_bytes: u64,
+    /// Host directories that `dir:`/`tar:`/`oci:` template bases may read from (none: refused).
+    pub template_import_dirs: Vec<PathBuf>,
+    /// runsc and its platform, for template build steps.
+    pub runsc: PathBuf,
+    pub platform: String,
 }
 
 /// What went wrong, in terms an API caller can act on.
@@ -72,6 +78,8 @@ pub enum ServiceError {
     InvalidTransition(#[from] InvalidTransition),
     #[error("{0}")]
     Unavailable(String),
+    #[error("{0}")]
+    Forbidden(String),
     #[error("storage failed")]
     Store(#[from] StoreError),
     #[error("internal error: {0}")]
@@ -180,10 +188,6 @@ impl Service {
         Ok(svc)
     }
 
-    pub fn templates(&self) -> &TemplateStore {
-        &self.0.templates
-    }
-
     pub fn runtime_name(&self) -> &'static str {
         self.0.runtime.name()
     }
@@ -255,7 +259,6 @@ impl Service {
         validate_env(&env)?;
         let labels = req.labels.clone().unwrap_or_default();
         validate_labels(&labels)?;
-        let resources = self.resolve_resources(req.resources.as_ref())?;
         let template = match self.0.templates.get(&template_name) {
             Ok(t) => t,
             Err(TemplateError::UnknownTemplate(_)) | Err(TemplateError::InvalidName(_)) => {
@@ -265,6 +268,10 @@ impl Service {
             }
             Err(e) => return Err(ServiceError::Internal(format!("template store: {e}"))),
         };
+        let resources = self.resolve_resources(
+            req.resources.as_ref(),
+            template.as_ref().and_then(|t| t.resources.as_ref()),
+        )?;
 
         let now = now_rfc3339();
         let id = new_id("sb");
@@ -318,13 +325,30 @@ impl Service {
         Ok(op)
     }
 
-    fn resolve_resources(&self, req: Option<&Resources>) -> Result<Resources> {
+    /// The request's resources, else the template's defaults, else the server's.
+    fn resolve_resources(
+        &self,
+        req: Option<&Resources>,
+        tpl: Option<&space_runtime::template::DefaultResources>,
+    ) -> Result<Resources> {
         let d = &self.0.cfg.default_resources;
         let r = Resources {
-            vcpus: req.and_then(|r| r.vcpus).or(d.vcpus),
-            memory_mib: req.and_then(|r| r.memory_mib).or(d.memory_mib),
-            disk_mib: req.and_then(|r| r.disk_mib).or(d.disk_mib),
-            pids: req.and_then(|r| r.pids).or(d.pids),
+            vcpus: req
+                .and_then(|r| r.vcpus)
+                .or(tpl.and_then(|t| t.vcpus))
+                .or(d.vcpus),
+            memory_mib: req
+                .and_then(|r| r.memory_mib)
+                .or(tpl.and_then(|t| t.memory_mib))
+                .or(d.memory_mib),
+            disk_mib: req
+                .and_then(|r| r.disk_mib)
+                .or(tpl.and_then(|t| t.disk_mib))
+                .or(d.disk_mib),
+            pids: req
+                .and_then(|r| r.pids)
+                .or(tpl.and_then(|t| t.pids))
+                .or(d.pids),
         };
         let check = |name: &str, v: Option<u64>, lo: u64, hi: u64| match v {
             Some(v) if v < lo || v > hi => Err(ServiceError::BadRequest(format!(
@@ -458,6 +482,13 @@ impl Service {
         rec.sandbox.state = transition(rec.sandbox.state, SandboxEvent::Ready)
             .map_err(|e| ApiError::new("conflict", e.to_string()))?;
         rec.sandbox.updated_at = now_rfc3339();
+        // A template's start command runs once the sandbox runs; the create waits for it.
+        if let Some(start) = &template.start {
+            self.0.store.update_sandbox(&rec).map_err(internal)?;
+            self.spawn_monitor(handle);
+            self.run_template_start(id, op_id, start).await?;
+            rec = self.record(id).map_err(internal)?;
+        }
         let mut op = self.operation(op_id).map_err(internal)?;
         op.status = OperationStatus::Succeeded;
         op.progress = Some("ready".into());
@@ -466,7 +497,9 @@ impl Service {
             .store
             .update_sandbox_and_op(&rec, &op)
             .map_err(internal)?;
-        self.spawn_monitor(handle);
+        if template.start.is_none() {
+            self.spawn_monitor(handle);
+        }
         tracing::info!(sandbox = %id, operation = %op_id, "sandbox running");
         Ok(())
     }
@@ -693,6 +726,7 @@ fn new_operation(kind: OperationKind, sandbox_id: Option<&str>) -> Operation {
         kind,
         status: OperationStatus::Pending,
         sandbox_id: sandbox_id.map(str::to_owned),
+        template: None,
         error: None,
         progress: None,
         created_at: now.clone(),

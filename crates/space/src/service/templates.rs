@@ -1,0 +1,257 @@
+//! Templates: builds from recipes (a `build` operation with a log file), listing, deleting,
+//! and a template's start command in each new sandbox.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use space_api::{
+    ApiError, CreateCommandRequest, Operation, OperationKind, OperationStatus, SandboxState,
+};
+use space_core::now_rfc3339;
+use space_runtime::build::{self, Base, BuildLog, Builder, Recipe, RecipeError, ValidRecipe};
+use space_runtime::template::{StartSpec, TemplateError};
+
+use super::{error_chain, new_operation, Result, Service, ServiceError};
+
+/// How often a template's ready check runs.
+const READY_INTERVAL: Duration = Duration::from_millis(200);
+const DEFAULT_READY_TIMEOUT_SECONDS: u64 = 30;
+/// Lines of the start command's output in a `start_failed` error.
+const START_TAIL_LINES: usize = 20;
+
+impl Service {
+    /// Where the build log of operation `op_id` is kept.
+    pub fn build_log_path(&self, op_id: &str) -> PathBuf {
+        self.0
+            .cfg
+            .data_dir
+            .join("builds")
+            .join(format!("{op_id}.log"))
+    }
+
+    /// `POST /v1/templates`: checks the recipe and starts a `build` operation.
+    pub fn build_template(&self, recipe: Recipe) -> Result<Operation> {
+        let recipe =
+            build::validate(recipe, &self.0.cfg.template_import_dirs).map_err(|e| match e {
+                RecipeError::Invalid(m) => ServiceError::BadRequest(m),
+                RecipeError::Forbidden(m) => ServiceError::Forbidden(m),
+            })?;
+        if let Base::Template(base) = &recipe.base {
+            match self.0.templates.get(base) {
+                Ok(_) => {}
+                Err(TemplateError::UnknownTemplate(_) | TemplateError::InvalidName(_)) => {
+                    return Err(ServiceError::BadRequest(format!(
+                        "unknown base template {base:?}"
+                    )))
+                }
+                Err(e) => return Err(ServiceError::Internal(error_chain(&e))),
+            }
+        }
+        let mut op = new_operation(OperationKind::Build, None);
+        op.template = Some(recipe.name().to_owned());
+        let log = BuildLog::create(&self.build_log_path(&op.id))
+            .map_err(|e| ServiceError::Internal(format!("creating the build log: {e}")))?;
+        self.0.store.insert_operation(&op)?;
+        tracing::info!(operation = %op.id, template = %recipe.name(), base = %recipe.recipe.base, "template build requested");
+        let svc = self.clone();
+        let op_id = op.id.clone();
+        tokio::spawn(async move { svc.run_build(op_id, recipe, log).await });
+        Ok(op)
+    }
+
+    async fn run_build(&self, op_id: String, recipe: ValidRecipe, log: BuildLog) {
+        let _ = self.update_op(&op_id, |op| {
+            op.status = OperationStatus::Running;
+            op.progress = Some("starting the build".into());
+        });
+        log.line(&format!(
+            "==> building template {} from {}",
+            recipe.name(),
+            recipe.recipe.base
+        ));
+        let builder = Builder {
+            runsc: self.0.cfg.runsc.clone(),
+            runsc_root: self.0.cfg.data_dir.join("build-runsc"),
+            platform: self.0.cfg.platform.clone(),
+            step_timeout: build::DEFAULT_STEP_TIMEOUT,
+        };
+        let progress = |line: String| {
+            let _ = self.update_op(&op_id, |op| op.progress = Some(line.clone()));
+        };
+        let limit = self.deadline(OperationKind::Build);
+        let result = tokio::time::timeout(
+            limit,
+            builder.build(&self.0.templates, &recipe, &log, &progress),
+        )
+        .await;
+        let error = match result {
+            Ok(Ok((template, new))) => {
+                tracing::info!(operation = %op_id, template = %template.name, version = %template.version, new, "template built");
+                let _ = self.update_op(&op_id, |op| {
+                    op.status = OperationStatus::Succeeded;
+                    op.progress = Some(if new {
+                        format!("built {} {}", template.name, template.version)
+                    } else {
+                        format!("unchanged: {} {}", template.name, template.version)
+                    });
+                });
+                return;
+            }
+            Ok(Err(e)) => ApiError::new("build_failed", error_chain(&e)),
+            Err(_) => ApiError::new(
+                "timed_out",
+                format!(
+                    "the build did not finish within {}s; last lines of the build log:\n{}",
+                    limit.as_secs(),
+                    log.tail()
+                ),
+            ),
+        };
+        log.line(&format!("==> build failed: {}", error.message));
+        tracing::warn!(operation = %op_id, error = %error.message, "template build failed");
+        let _ = self.finish_op(&op_id, Some(error));
+    }
+
+    /// `GET /v1/templates`.
+    pub fn list_templates(&self) -> Result<Vec<space_api::Template>> {
+        let list = self
+            .0
+            .templates
+            .list()
+            .map_err(|e| ServiceError::Internal(error_chain(&e)))?;
+        Ok(list
+            .into_iter()
+            .map(|t| space_api::Template {
+                name: t.name,
+                ready: t.ready,
+                builtin: t.builtin,
+                version: t.template.as_ref().map(|x| x.version.clone()),
+                size_bytes: t.template.as_ref().map(|x| x.size_bytes),
+                created_at: t.template.as_ref().map(|x| x.created_at.clone()),
+                base: t.template.as_ref().and_then(|x| x.base.clone()),
+                versions: t.versions,
+            })
+            .collect())
+    }
+
+    /// `DELETE /v1/templates/{name}`: every version, unless a sandbox that is not destroyed
+    /// uses one (409). Built-in templates are refused (409).
+    pub async fn delete_template(&self, name: &str) -> Result<()> {
+        let not_found = || ServiceError::NotFound(format!("no template {name:?}"));
+        match self.0.templates.get(name) {
+            Ok(_) => {}
+            Err(TemplateError::UnknownTemplate(_) | TemplateError::InvalidName(_)) => {
+                return Err(not_found())
+            }
+            Err(e) => return Err(ServiceError::Internal(error_chain(&e))),
+        }
+        if space_runtime::template::TemplateStore::BUILTIN.contains(&name) {
+            return Err(ServiceError::Conflict(format!(
+                "template {name} is built in and cannot be deleted"
+            )));
+        }
+        if let Some(user) = self
+            .0
+            .store
+            .list_sandboxes()?
+            .into_iter()
+            .find(|r| r.sandbox.template == name && r.sandbox.state != SandboxState::Destroyed)
+        {
+            return Err(ServiceError::Conflict(format!(
+                "template {name} is in use by sandbox {} ({}, version {}): destroy it first",
+                user.sandbox.id, user.sandbox.state, user.sandbox.template_version
+            )));
+        }
+        match self.0.templates.delete(name).await {
+            Ok(()) => {
+                tracing::info!(template = name, "template deleted");
+                Ok(())
+            }
+            Err(TemplateError::UnknownTemplate(_)) => Err(not_found()),
+            Err(TemplateError::Builtin(_)) => Err(ServiceError::Conflict(format!(
+                "template {name} is built in and cannot be deleted"
+            ))),
+            Err(e) => Err(ServiceError::Internal(error_chain(&e))),
+        }
+    }
+
+    /// Starts a template's start command in a running sandbox and waits for its ready check.
+    pub(super) async fn run_template_start(
+        &self,
+        sandbox_id: &str,
+        op_id: &str,
+        start: &StartSpec,
+    ) -> Result<(), ApiError> {
+        let failed = |m: String| ApiError::new("start_failed", m);
+        let _ = self.update_op(op_id, |op| {
+            op.progress = Some("starting the template's start command".into())
+        });
+        let cmd = self
+            .create_command(
+                sandbox_id,
+                CreateCommandRequest {
+                    shell: Some(start.run.clone()),
+                    ..Default::default()
+                },
+            )
+            .await
+            .map_err(|e| failed(format!("the start command could not start: {e}")))?;
+        let Some(ready) = &start.ready else {
+            return Ok(());
+        };
+        let timeout = ready
+            .timeout_seconds
+            .unwrap_or(DEFAULT_READY_TIMEOUT_SECONDS);
+        let _ = self.update_op(op_id, |op| {
+            op.progress = Some(format!(
+                "waiting for the ready check (up to {timeout}s): {}",
+                super::truncate(&ready.run, 100)
+            ))
+        });
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(timeout);
+        let mut last;
+        loop {
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            let check = self
+                .create_command(
+                    sandbox_id,
+                    CreateCommandRequest {
+                        shell: Some(ready.run.clone()),
+                        wait: Some(true),
+                        timeout_seconds: Some(left.as_secs().max(1)),
+                        ..Default::default()
+                    },
+                )
+                .await;
+            match check {
+                Ok(c) if c.result.as_ref().is_some_and(|r| r.exit_code == Some(0)) => {
+                    let _ = self.update_op(op_id, |op| {
+                        op.progress = Some("the ready check passed".into())
+                    });
+                    return Ok(());
+                }
+                Ok(c) => {
+                    last = format!(
+                        "{}{}",
+                        c.stdout.unwrap_or_default(),
+                        c.stderr.unwrap_or_default()
+                    )
+                }
+                Err(e) => last = e.to_string(),
+            }
+            if tokio::time::Instant::now() + READY_INTERVAL >= deadline {
+                break;
+            }
+            tokio::time::sleep(READY_INTERVAL).await;
+        }
+        let dir = self.outputs_root().join(sandbox_id).join(&cmd.id);
+        let out = build::tail_of(&dir.join("stdout"), START_TAIL_LINES);
+        let err = build::tail_of(&dir.join("stderr"), START_TAIL_LINES);
+        Err(failed(format!(
+            "the ready check `{}` did not pass within {timeout}s (at {}); last check said: {}\nstart command stdout (tail):\n{out}\nstderr (tail):\n{err}",
+            super::truncate(&ready.run, 200),
+            now_rfc3339(),
+            super::truncate(last.trim(), 1000),
+        )))
+    }
+}
