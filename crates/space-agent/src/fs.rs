@@ -1833,13 +1833,19 @@ impl Unpacker<'_> {
         self.hasher.hash_one(comps)
     }
 
-    fn remember(&mut self, comps: &[Vec<u8>], is_dir: bool) -> Result<(), FsError> {
+    /// Counts names kept in memory against [`Limits::max_name_bytes`].
+    fn charge(&mut self, comps: &[Vec<u8>]) -> Result<(), FsError> {
         self.name_bytes += comps.iter().map(|c| c.len() as u64 + 1).sum::<u64>();
         if self.name_bytes > self.limits.max_name_bytes {
             return Err(FsError::TooLarge(
                 "the archive's names are too long in total".into(),
             ));
         }
+        Ok(())
+    }
+
+    fn remember(&mut self, comps: &[Vec<u8>], is_dir: bool) -> Result<(), FsError> {
+        self.charge(comps)?;
         self.created.push((comps.to_vec(), is_dir));
         Ok(())
     }
@@ -1919,6 +1925,7 @@ impl Unpacker<'_> {
                     self.remember(&comps, true)?;
                     make_dir(dir, &name, Attrs::DIR).map_err(|e| os_err(here, e))?;
                 }
+                self.charge(&comps)?;
                 self.dirs.push((comps, attrs, mtime));
             }
             Kind::File => {
@@ -2079,6 +2086,18 @@ mod tests {
         assert!(parse_path(&format!("/{}", "x".repeat(255))).is_ok());
         let long = "/abc".repeat(1025);
         assert!(matches!(parse_path(&long), Err(FsError::InvalidPath(_))));
+    }
+
+    #[test]
+    fn os_errors_map_to_api_errors() {
+        let e = |n| os_err("x", io::Error::from_raw_os_error(n));
+        assert_eq!(e(libc::ENOSPC).status(), 507);
+        assert_eq!(e(libc::EDQUOT).code(), "no_space");
+        assert_eq!(e(libc::ENOENT).status(), 404);
+        assert_eq!(e(libc::EEXIST).status(), 409);
+        assert_eq!(e(libc::EACCES).code(), "forbidden_path");
+        assert_eq!(e(libc::EIO).status(), 500);
+        assert!(e(libc::EIO).message().contains("x: "));
     }
 
     #[test]
