@@ -150,8 +150,15 @@ impl Query {
         let mut q = Query::default();
         for pair in query.split('&').filter(|p| !p.is_empty()) {
             let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
-            let v = percent_decode(v)
-                .ok_or_else(|| bad_request(format!("query parameter {k} is not valid UTF-8")))?;
+            let v = percent_decode(v).ok_or_else(|| {
+                let code = if k == "path" {
+                    "invalid_path"
+                } else {
+                    "invalid_request"
+                };
+                let msg = format!("query parameter {k} is not valid UTF-8");
+                error(StatusCode::BAD_REQUEST, code, msg)
+            })?;
             let num = |v: &str| -> Result<u64, Response<Body>> {
                 v.parse()
                     .map_err(|_| bad_request(format!("invalid {k}={v:?}")))

@@ -938,6 +938,9 @@ async fn dotdot_and_malformed_paths_are_refused() {
         .expect(StatusCode::BAD_REQUEST, Some("invalid_path"));
     c.get("/v1/files/stat?path=/a%FFb")
         .await
+        .expect(StatusCode::BAD_REQUEST, Some("invalid_path"));
+    c.get("/v1/files/list?path=/&depth=%FF")
+        .await
         .expect(StatusCode::BAD_REQUEST, Some("invalid_request"));
     std::fs::remove_file(host.outside.join("secret")).expect("rm");
     host.assert_outside_empty();
