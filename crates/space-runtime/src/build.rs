@@ -502,6 +502,7 @@ impl Builder {
                 packages.dedup();
                 let key = cache_key(&[LAYER_FORMAT, DEBIAN_BASE, &packages.join(",")]);
                 self.layer(
+                    name,
                     &layers,
                     key,
                     None,
@@ -535,6 +536,7 @@ impl Builder {
                 let src = p.clone();
                 let owned = name.to_owned();
                 self.layer(
+                    name,
                     &layers,
                     key,
                     None,
@@ -574,6 +576,7 @@ impl Builder {
             let owned = name.to_owned();
             layer = self
                 .layer(
+                    name,
                     &layers,
                     key,
                     Some(&layer),
@@ -602,6 +605,7 @@ impl Builder {
             let this = n;
             layer = self
                 .layer(
+                    name,
                     &layers,
                     key,
                     Some(&layer),
@@ -646,6 +650,7 @@ impl Builder {
     #[allow(clippy::too_many_arguments)]
     async fn layer<F, Fut>(
         &self,
+        name: &str,
         layers: &Path,
         key: String,
         parent: Option<&Layer>,
@@ -695,6 +700,8 @@ impl Builder {
         let meta = serde_json::json!({
             "key": key,
             "parent": parent.map(|p| p.key.clone()),
+            // Which build made it (layers are shared by key; this is for people and tests).
+            "template": name,
             "what": what,
             "created_at": time::OffsetDateTime::now_utc()
                 .format(&time::format_description::well_known::Rfc3339)

@@ -82,6 +82,26 @@ async fn delete_template(s: &TestServer, name: &str) {
     assert!(!common::templates_dir().join(name).exists());
 }
 
+/// Removes the cached layers that builds of `names` made (their keys hold this run's nonces, so
+/// no other test uses them), keeping the shared template cache from growing run after run.
+fn remove_layers_of(names: &[&str]) {
+    let layers = common::templates_dir().join(".layers");
+    for e in std::fs::read_dir(&layers).into_iter().flatten().flatten() {
+        let Ok(meta) = std::fs::read(e.path().join("layer.json")) else {
+            continue;
+        };
+        let meta: Value = serde_json::from_slice(&meta).unwrap_or_default();
+        if names.iter().any(|n| meta["template"] == *n) {
+            std::fs::remove_dir_all(e.path()).unwrap();
+            let lock = layers.join(format!(".{}.lock", e.file_name().to_string_lossy()));
+            let _ = std::fs::remove_file(lock);
+        }
+    }
+    for n in names {
+        let _ = std::fs::remove_file(common::templates_dir().join(format!(".{n}.lock")));
+    }
+}
+
 /// No build container or its processes, and no half-built layer of this server's builds.
 fn assert_no_build_left(s: &TestServer) {
     let root = s.data_dir().join("build-runsc");
@@ -232,6 +252,7 @@ async fn build_cache_versions_and_delete() {
     let (status, err) = s.delete("/v1/templates/busybox").await;
     assert_eq!(status, 409, "built-ins stay: {err}");
     assert_no_build_left(&s);
+    remove_layers_of(&[&name, &child]);
 }
 
 #[tokio::test]
@@ -273,6 +294,7 @@ async fn failing_step_fails_the_build_with_its_log() {
         }
     }
     assert_no_build_left(&s);
+    remove_layers_of(&[&name]);
 }
 
 #[tokio::test]
@@ -412,6 +434,7 @@ async fn dir_and_tar_bases_from_the_import_dir() {
     assert_eq!(status, 400, "{err}");
     assert!(template(&s, &name).await.is_none());
     assert_no_build_left(&s);
+    remove_layers_of(&[&format!("{name}-dir"), &format!("{name}-tar")]);
 }
 
 fn sha256_file(path: &Path) -> String {
@@ -524,6 +547,7 @@ async fn oci_layout_layers_and_whiteouts() {
     s.destroy(&sb).await;
     delete_template(&s, &name).await;
     assert_no_build_left(&s);
+    remove_layers_of(&[&name]);
 }
 
 #[tokio::test]
@@ -586,6 +610,8 @@ async fn start_command_and_ready_check() {
     s.destroy(&sb).await;
     delete_template(&s, &name).await;
     delete_template(&s, &bad).await;
+    remove_layers_of(&[&name, &bad]);
+    assert_no_build_left(&s);
 }
 
 #[tokio::test]
@@ -664,4 +690,5 @@ run = "echo cli-step-ran; wc -c < /srv/payload.bin > /srv/size"
     );
     assert!(template(&s, &name).await.is_none());
     assert_no_build_left(&s);
+    remove_layers_of(&[&name]);
 }

@@ -184,6 +184,7 @@ impl Service {
             pending_ops: Mutex::new(HashMap::new()),
         }));
         svc.reconcile().await?;
+        svc.remove_stale_build_containers().await;
         svc.spawn_reaper();
         Ok(svc)
     }

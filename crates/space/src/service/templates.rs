@@ -112,6 +112,31 @@ impl Service {
         let _ = self.finish_op(&op_id, Some(error));
     }
 
+    /// Removes build containers that a killed server left running (reconcile has failed their
+    /// operations; their half-built layers are removed by the next build of the same layer).
+    pub(super) async fn remove_stale_build_containers(&self) {
+        let root = self.0.cfg.data_dir.join("build-runsc");
+        if !root.exists() {
+            return;
+        }
+        let runsc = |args: &[&str]| {
+            let mut cmd = tokio::process::Command::new(&self.0.cfg.runsc);
+            cmd.arg("--root").arg(&root).args(args);
+            cmd.stdin(std::process::Stdio::null());
+            cmd
+        };
+        let Ok(out) = runsc(&["list", "--quiet"]).output().await else {
+            return;
+        };
+        for id in String::from_utf8_lossy(&out.stdout).split_whitespace() {
+            tracing::warn!(
+                container = id,
+                "removing a build container left by an earlier run"
+            );
+            let _ = runsc(&["delete", "--force", id]).output().await;
+        }
+    }
+
     /// `GET /v1/templates`.
     pub fn list_templates(&self) -> Result<Vec<space_api::Template>> {
         let list = self
