@@ -830,7 +830,9 @@ fn step_spec(
         "CAP_AUDIT_WRITE",
     ];
     let mut env: Vec<String> = env.iter().map(|(k, v)| format!("{k}={v}")).collect();
-    env.push("HOME=/root".to_owned());
+    if !env.iter().any(|e| e.starts_with("HOME=")) {
+        env.push("HOME=/root".to_owned());
+    }
     serde_json::json!({
         "ociVersion": "1.0.2",
         "process": {

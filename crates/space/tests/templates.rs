@@ -256,6 +256,90 @@ async fn build_cache_versions_and_delete() {
 }
 
 #[tokio::test]
+async fn concurrent_builds_of_one_recipe_build_each_layer_once() {
+    let s = TestServer::start().await;
+    let (name, nonce) = unique("conc");
+    let recipe = json!({"name": name, "base": "busybox", "steps": [
+        {"run": format!("echo {nonce} > /n; sleep 1")},
+        {"run": "echo second-step"}
+    ]});
+    let (a, b) = tokio::join!(build(&s, recipe.clone()), build(&s, recipe.clone()));
+    for (op, log) in [&a, &b] {
+        assert_eq!(op["status"], "succeeded", "{op}\n{log}");
+    }
+    // Whatever the interleaving, each layer was built by exactly one of the two builds.
+    for step in ["step 2/3", "step 3/3"] {
+        let built = [&a.1, &b.1]
+            .iter()
+            .flat_map(|l| step_lines(l))
+            .filter(|l| l.contains(step) && !l.ends_with("[cached]"))
+            .count();
+        assert_eq!(built, 1, "{step}:\n{}\n---\n{}", a.1, b.1);
+    }
+    let t = template(&s, &name).await.unwrap();
+    assert_eq!(t["versions"], json!(["v1"]), "one version: {t}");
+    delete_template(&s, &name).await;
+    remove_layers_of(&[&name]);
+    assert_no_build_left(&s);
+}
+
+#[tokio::test]
+async fn a_server_killed_mid_build_leaves_no_container_and_no_layer() {
+    let mut s = TestServer::start().await;
+    let (name, nonce) = unique("crash");
+    let (status, op) = s
+        .post(
+            "/v1/templates",
+            json!({"name": name, "base": "busybox", "steps": [
+                {"run": format!("echo {nonce} > /n; echo step-running; sleep 300")}
+            ]}),
+        )
+        .await;
+    assert_eq!(status, 202, "{op}");
+    let op_id = op["id"].as_str().unwrap().to_string();
+    // Follow the log until the step runs inside its container.
+    let mut resp = s
+        .req(
+            reqwest::Method::GET,
+            &format!("/v1/operations/{op_id}/log?follow=true"),
+        )
+        .send()
+        .await
+        .unwrap();
+    let mut seen = String::new();
+    while !seen.contains("step-running\n") {
+        let chunk = resp.chunk().await.unwrap().expect("log ended early");
+        seen.push_str(&String::from_utf8_lossy(&chunk));
+    }
+    drop(resp);
+    s.kill_and_restart();
+    let op = s.wait_op(&op_id).await;
+    assert_eq!(op["status"], "failed", "{op}");
+    assert!(template(&s, &name).await.is_none());
+    // The restarted server removed the container; its runsc processes go with it.
+    let root = s.data_dir().join("build-runsc");
+    for _ in 0..100 {
+        if common::processes_mentioning(&root.to_string_lossy()).is_empty() {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert_no_build_left(&s);
+    // The half-built layer was never published; remove it (the next build of it would).
+    let layers = common::templates_dir().join(".layers");
+    for e in std::fs::read_dir(&layers).unwrap().flatten() {
+        let n = e.file_name().to_string_lossy().into_owned();
+        if std::fs::read_to_string(e.path().join("rootfs/n")).is_ok_and(|c| c.contains(&nonce)) {
+            assert!(
+                n.starts_with(".tmp-"),
+                "a layer with the step's work was published: {n}"
+            );
+            std::fs::remove_dir_all(e.path()).unwrap();
+        }
+    }
+}
+
+#[tokio::test]
 async fn failing_step_fails_the_build_with_its_log() {
     let s = TestServer::start().await;
     let (name, nonce) = unique("fail");
