@@ -141,6 +141,7 @@ async fn build_cache_versions_and_delete() {
             ],
             "env": {"GREETING": "hi-from-recipe"},
             "workdir": "/opt/app",
+            "user": "user",
             "resources": {"memory_mib": 256}
         })
     };
@@ -187,12 +188,12 @@ async fn build_cache_versions_and_delete() {
     let out = sh_out(
         &s,
         &old,
-        "pwd; echo $GREETING; cat copied.txt version; stat -c '%a %u %s' bin.dat",
+        "pwd; id -u; echo $GREETING; cat copied.txt version; stat -c '%a %u %s' bin.dat",
     )
     .await;
     assert_eq!(
         out,
-        format!("/opt/app\nhi-from-recipe\nhello {nonce}\nv1\n600 1000 4\n")
+        format!("/opt/app\n1000\nhi-from-recipe\nhello {nonce}\nv1\n600 1000 4\n")
     );
 
     // Unchanged: every layer cached, no new version.
