@@ -3,6 +3,7 @@
 #   core:      create-to-ready, the `true` exec round trip, idle RSS
 #   lifecycle: pause+resume, suspend, resume from a snapshot, snapshot size
 #   commands:  256 MiB stdout throughput, exec latency with 1, 10 and 50 clients
+#   files:     1 GiB up and down through the file API, as a tar and as one file
 # Each prints one table; they never fail on speed, only when something breaks.
 # Needs root, like the tests.
 set -euo pipefail
@@ -18,3 +19,4 @@ target/release/space admin prepare-template busybox --templates-dir "$SPACE_TEST
 cargo bench -p space --bench core
 cargo bench -p space --bench lifecycle
 cargo bench -p space --bench commands
+cargo bench -p space --bench files

@@ -2000,6 +2000,10 @@ impl Unpacker<'_> {
                     )
                 })
                 .map_err(|e| os_err(here, e))?;
+                // gVisor's overlay (runsc 2024-07-29) resets the owner of a file it
+                // makes a hard link to; give the inode its owner back.
+                fchownat_nofollow(dir, &name, tst.st_uid, tst.st_gid)
+                    .map_err(|e| os_err(here, e))?;
             }
         }
         Ok(())

@@ -133,7 +133,7 @@ pub(crate) struct Client {
 }
 
 impl Client {
-    fn from_env() -> anyhow::Result<Client> {
+    pub(crate) fn from_env() -> anyhow::Result<Client> {
         let base = std::env::var("SPACE_URL").unwrap_or_else(|_| "http://127.0.0.1:7070".into());
         let token = std::env::var("SPACE_TOKEN").unwrap_or_else(|_| "space-dev-token".into());
         Ok(Client {
@@ -143,13 +143,16 @@ impl Client {
         })
     }
 
-    fn req(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
+    pub(crate) fn req(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
         self.http
             .request(method, format!("{}{}", self.base, path))
             .bearer_auth(&self.token)
     }
 
-    async fn send<T: DeserializeOwned>(&self, rb: reqwest::RequestBuilder) -> anyhow::Result<T> {
+    pub(crate) async fn send<T: DeserializeOwned>(
+        &self,
+        rb: reqwest::RequestBuilder,
+    ) -> anyhow::Result<T> {
         let resp = rb
             .send()
             .await

@@ -2,6 +2,7 @@
 
 mod api;
 mod cli;
+mod cli_files;
 mod service;
 mod tty;
 
@@ -46,6 +47,16 @@ enum Cmd {
         /// Replay from after this event id (0: all retained history).
         #[arg(long)]
         after: Option<i64>,
+    },
+    /// Copy a file or directory into or out of a sandbox: `space cp ./app sb_…:/app`,
+    /// `space cp sb_…:/var/log/app.log .`.
+    Cp { src: String, dst: String },
+    /// List a directory in a sandbox: `space ls sb_…:/etc`.
+    Ls {
+        target: String,
+        /// How many levels to descend.
+        #[arg(long, short, default_value_t = 1)]
+        depth: u32,
     },
     /// Local administration that needs no server.
     #[command(subcommand)]
@@ -99,6 +110,9 @@ struct ServeArgs {
     /// Default size of a sandbox's writable layer, MiB (its disk quota).
     #[arg(long, default_value_t = 4096)]
     default_disk_mib: u64,
+    /// Largest file upload through the file API, MiB (a tar upload: what it extracts to).
+    #[arg(long, default_value_t = 16384)]
+    max_upload_mib: u64,
     /// Default process limit of a sandbox.
     #[arg(long, default_value_t = 1024)]
     default_pids: u64,
@@ -151,6 +165,8 @@ fn main() -> anyhow::Result<()> {
                 Ok(())
             })
         }
+        Cmd::Cp { src, dst } => exit_with(rt.block_on(cli_files::cp(&src, &dst))),
+        Cmd::Ls { target, depth } => exit_with(rt.block_on(cli_files::ls(&target, depth))),
         other => match rt.block_on(cli::run(other.into_client())) {
             Ok(code) => std::process::exit(code),
             Err(e) => {
@@ -170,7 +186,19 @@ impl Cmd {
             Cmd::Templates => cli::ClientCmd::Templates,
             Cmd::Template(c) => cli::ClientCmd::Template(c),
             Cmd::Events { after } => cli::ClientCmd::Events { after },
-            Cmd::Serve(_) | Cmd::Admin(_) => unreachable!("handled in main"),
+            Cmd::Serve(_) | Cmd::Admin(_) | Cmd::Cp { .. } | Cmd::Ls { .. } => {
+                unreachable!("handled in main")
+            }
+        }
+    }
+}
+
+fn exit_with(r: anyhow::Result<i32>) -> ! {
+    match r {
+        Ok(code) => std::process::exit(code),
+        Err(e) => {
+            eprintln!("space: {e:#}");
+            std::process::exit(1);
         }
     }
 }
@@ -244,6 +272,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         template_import_dirs: args.template_import_dirs.clone(),
         runsc: args.runsc.clone(),
         platform: args.platform.clone(),
+        max_upload_bytes: args.max_upload_mib.saturating_mul(1 << 20),
     };
     let service = service::Service::start(cfg, Arc::new(runtime))
         .await

@@ -293,3 +293,88 @@ async fn exec_tty_behaves_like_ssh() {
     assert_eq!(std::fs::read_to_string(&exit_file).unwrap().trim(), "7");
     s.destroy(&sb).await;
 }
+
+#[tokio::test]
+async fn cli_cp_and_ls() {
+    use std::os::unix::fs::PermissionsExt;
+    let s = TestServer::start().await;
+    let sb = s.create("busybox").await;
+    let local = tempfile::tempdir().expect("tempdir");
+    let src = local.path().join("src");
+    std::fs::create_dir_all(src.join("sub")).unwrap();
+    std::fs::write(src.join("run.sh"), "#!/bin/sh\necho from-cp\n").unwrap();
+    std::fs::set_permissions(src.join("run.sh"), std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::write(src.join("sub/data"), vec![42u8; 100_000]).unwrap();
+    std::os::unix::fs::symlink("run.sh", src.join("link")).unwrap();
+
+    // A directory in, and what the sandbox sees of it.
+    let to = format!("{sb}:/app");
+    let out = space(&s, &["cp", src.to_str().unwrap(), &to]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(
+        s.sh(&sb, "/app/link; wc -c < /app/sub/data").await["stdout"],
+        "from-cp\n100000\n"
+    );
+
+    let out = space(&s, &["ls", &to, "--depth", "2"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let listing = text(&out.stdout);
+    for want in [
+        "-0755",
+        "/app/run.sh",
+        "/app/sub/data",
+        "/app/link -> run.sh",
+    ] {
+        assert!(listing.contains(want), "{want} not in:\n{listing}");
+    }
+
+    // A single file in, keeping its mode; then files and the directory back out.
+    let out = space(
+        &s,
+        &[
+            "cp",
+            src.join("run.sh").to_str().unwrap(),
+            &format!("{sb}:/tmp/one.sh"),
+        ],
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(s.sh(&sb, "stat -c %a /tmp/one.sh").await["stdout"], "755\n");
+    s.sh(&sb, "echo made-inside > /tmp/inside.txt").await;
+    let back = local.path().join("back");
+    std::fs::create_dir(&back).unwrap();
+    let out = space(
+        &s,
+        &[
+            "cp",
+            &format!("{sb}:/tmp/inside.txt"),
+            back.to_str().unwrap(),
+        ],
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(
+        std::fs::read_to_string(back.join("inside.txt")).unwrap(),
+        "made-inside\n"
+    );
+    let out = space(&s, &["cp", &to, back.join("app").to_str().unwrap()]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(
+        std::fs::read(back.join("app/sub/data")).unwrap(),
+        vec![42u8; 100_000]
+    );
+    assert_eq!(
+        std::fs::read_link(back.join("app/link")).unwrap().to_str(),
+        Some("run.sh")
+    );
+
+    // Errors are clear and exit non-zero.
+    let out = space(&s, &["cp", &format!("{sb}:/nope"), back.to_str().unwrap()]);
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("not_found"),
+        "{}",
+        text(&out.stderr)
+    );
+    let out = space(&s, &["cp", "a", "b"]);
+    assert!(!out.status.success());
+    s.destroy(&sb).await;
+}

@@ -4,6 +4,7 @@
 
 mod commands;
 mod events;
+mod files;
 mod operations;
 mod sandboxes;
 mod templates;
@@ -57,6 +58,16 @@ pub fn router(state: AppState) -> Router {
         )
         .route("/sandboxes/:id/commands/:cid/stdin", post(commands::stdin))
         .route("/sandboxes/:id/commands/:cid/attach", get(commands::attach))
+        .route(
+            "/sandboxes/:id/files",
+            get(files::download)
+                .put(files::upload)
+                .delete(files::remove),
+        )
+        .route("/sandboxes/:id/files/list", get(files::list))
+        .route("/sandboxes/:id/files/stat", get(files::stat))
+        .route("/sandboxes/:id/files/mkdir", post(files::mkdir))
+        .route("/sandboxes/:id/files/move", post(files::rename))
         .route("/operations", get(operations::list))
         .route("/operations/:id", get(operations::get))
         .route("/operations/:id/cancel", post(operations::cancel))
@@ -229,6 +240,16 @@ pub struct Reject {
     status: StatusCode,
     code: &'static str,
     message: String,
+}
+
+impl Reject {
+    pub fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
+        Reject {
+            status,
+            code,
+            message: message.into(),
+        }
+    }
 }
 
 impl IntoResponse for Reject {

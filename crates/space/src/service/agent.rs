@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Method, Request, StatusCode};
-use http_body_util::combinators::BoxBody;
+use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, Full, Limited, StreamBody};
 use hyper::body::{Frame as BodyFrame, Incoming};
 use hyper::client::conn::http2::SendRequest;
@@ -23,7 +23,10 @@ use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::StreamExt;
 
-type HostBody = BoxBody<Bytes, std::convert::Infallible>;
+/// Why a streamed request body to the agent ended early; the agent sees the
+/// stream reset and discards what it got.
+pub type BodyError = Box<dyn std::error::Error + Send + Sync>;
+pub type HostBody = UnsyncBoxBody<Bytes, BodyError>;
 
 /// Numbers every agent connection of this process, so a new one is never
 /// mistaken for an old one (even across listeners of the same sandbox).
@@ -69,7 +72,11 @@ impl AgentConn {
         self.close.cancel();
     }
 
-    async fn send(&self, req: Request<HostBody>) -> Result<http::Response<Incoming>, AgentError> {
+    /// Sends one request as is; the caller reads the streamed response.
+    pub async fn send(
+        &self,
+        req: Request<HostBody>,
+    ) -> Result<http::Response<Incoming>, AgentError> {
         let mut sender = self.sender.clone();
         sender.ready().await.map_err(AgentError::Connection)?;
         sender
@@ -93,7 +100,11 @@ impl AgentConn {
             .method(method)
             .uri(format!("http://agent{path}"))
             .header("content-type", "application/json")
-            .body(Full::new(bytes).boxed())
+            .body(
+                Full::new(bytes)
+                    .map_err(|never| match never {})
+                    .boxed_unsync(),
+            )
             .map_err(|e| AgentError::Protocol(e.to_string()))?;
         let resp = self.send(req).await?;
         let status = resp.status();
@@ -124,9 +135,8 @@ impl AgentConn {
         stderr: u64,
     ) -> Result<(mpsc::Sender<Bytes>, Incoming), AgentError> {
         let (tx, rx) = mpsc::channel::<Bytes>(16);
-        let stream =
-            ReceiverStream::new(rx).map(|b| Ok::<_, std::convert::Infallible>(BodyFrame::data(b)));
-        let body = StreamBody::new(stream).boxed();
+        let stream = ReceiverStream::new(rx).map(|b| Ok::<_, BodyError>(BodyFrame::data(b)));
+        let body = StreamBody::new(stream).boxed_unsync();
         let req = Request::builder()
             .method(Method::POST)
             .uri(format!(

@@ -8,6 +8,7 @@
 
 pub mod agent;
 mod commands;
+mod files;
 mod lifecycle;
 pub mod output;
 mod reconcile;
@@ -63,6 +64,8 @@ pub struct Config {
     /// runsc and its platform, for template build steps.
     pub runsc: PathBuf,
     pub platform: String,
+    /// Largest file upload (raw bytes, or what a tar upload extracts to).
+    pub max_upload_bytes: u64,
 }
 
 /// What went wrong, in terms an API caller can act on.
@@ -618,6 +621,10 @@ impl Service {
             }
         }
         self.forget_handle(&handle.id);
+    }
+
+    pub fn max_upload_bytes(&self) -> u64 {
+        self.0.cfg.max_upload_bytes
     }
 
     pub fn get_sandbox(&self, id: &str) -> Result<Sandbox> {

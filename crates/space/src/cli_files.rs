@@ -1,0 +1,317 @@
+//! `space cp` and `space ls`: the file API from the command line.
+//!
+//! `space cp LOCAL SANDBOX:PATH` uploads a file (raw, keeping its mode) or a
+//! directory (as a tar stream; PATH becomes a copy of it). `space cp
+//! SANDBOX:PATH LOCAL` downloads a file, or a directory as a tar unpacked into
+//! LOCAL without ever following a link out of it. Nothing is held in memory:
+//! both directions stream.
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context};
+use futures::StreamExt;
+use serde::Deserialize;
+use tokio::io::AsyncWriteExt;
+
+use crate::cli::Client;
+
+/// `SANDBOX:PATH`, or a local path.
+enum Place {
+    Sandbox { id: String, path: String },
+    Local(PathBuf),
+}
+
+fn place(s: &str) -> Place {
+    match s.split_once(':') {
+        Some((id, path)) if id.starts_with("sb_") && path.starts_with('/') => Place::Sandbox {
+            id: id.to_string(),
+            path: path.to_string(),
+        },
+        _ => Place::Local(PathBuf::from(s)),
+    }
+}
+
+fn query_path(p: &str) -> String {
+    serde_urlencoded::to_string([("path", p)]).unwrap_or_default()
+}
+
+#[derive(Debug, Deserialize)]
+struct FileInfo {
+    path: String,
+    #[serde(rename = "type")]
+    kind: String,
+    size: u64,
+    mode: u32,
+    uid: u32,
+    gid: u32,
+    #[serde(default)]
+    link_target: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+struct Listing {
+    entries: Vec<FileInfo>,
+    #[serde(default)]
+    truncated: bool,
+}
+
+async fn check(resp: reqwest::Response) -> anyhow::Result<reqwest::Response> {
+    let status = resp.status();
+    if status.is_success() {
+        return Ok(resp);
+    }
+    let bytes = resp.bytes().await.unwrap_or_default();
+    match serde_json::from_slice::<space_api::ErrorBody>(&bytes) {
+        Ok(e) => bail!("{} ({}): {}", status, e.error.code, e.error.message),
+        Err(_) => bail!("{}: {}", status, String::from_utf8_lossy(&bytes)),
+    }
+}
+
+/// `space cp SRC DST`.
+pub async fn cp(src: &str, dst: &str) -> anyhow::Result<i32> {
+    let c = Client::from_env()?;
+    match (place(src), place(dst)) {
+        (Place::Local(local), Place::Sandbox { id, path }) => upload(&c, &local, &id, &path).await,
+        (Place::Sandbox { id, path }, Place::Local(local)) => {
+            download(&c, &id, &path, &local).await
+        }
+        (Place::Local(_), Place::Local(_)) => {
+            bail!("one side of `space cp` must be SANDBOX:/PATH (e.g. sb_…:/tmp/file)")
+        }
+        (Place::Sandbox { .. }, Place::Sandbox { .. }) => {
+            bail!("copying between sandboxes is not supported; copy through a local path")
+        }
+    }?;
+    Ok(0)
+}
+
+async fn upload(c: &Client, local: &Path, id: &str, path: &str) -> anyhow::Result<()> {
+    let meta = std::fs::metadata(local).with_context(|| format!("reading {}", local.display()))?;
+    let url = format!("/v1/sandboxes/{id}/files?{}", query_path(path));
+    if meta.is_file() {
+        let mode = meta.permissions().mode() & 0o7777;
+        let file = tokio::fs::File::open(local)
+            .await
+            .with_context(|| format!("opening {}", local.display()))?;
+        let body = reqwest::Body::wrap_stream(tokio_util::io::ReaderStream::new(file));
+        let resp = c
+            .req(reqwest::Method::PUT, &format!("{url}&mode={mode:04o}"))
+            .header(reqwest::header::CONTENT_LENGTH, meta.len())
+            .body(body)
+            .send()
+            .await
+            .context("cannot reach the space server")?;
+        check(resp).await?;
+        eprintln!("{} → {id}:{path} ({} bytes)", local.display(), meta.len());
+        return Ok(());
+    }
+    if !meta.is_dir() {
+        bail!("{} is neither a file nor a directory", local.display());
+    }
+    // A tar of the directory, written by a blocking thread into a bounded pipe.
+    let (tx, rx) = tokio::sync::mpsc::channel::<std::io::Result<Vec<u8>>>(8);
+    let dir = local.to_path_buf();
+    let writer = tokio::task::spawn_blocking(move || -> anyhow::Result<()> {
+        let mut b = tar::Builder::new(ChannelWriter(tx.clone()));
+        b.follow_symlinks(false);
+        b.mode(tar::HeaderMode::Complete);
+        let result = b.append_dir_all(".", &dir).and_then(|_| b.finish());
+        if let Err(e) = &result {
+            let _ = tx.blocking_send(Err(std::io::Error::new(e.kind(), e.to_string())));
+        }
+        result.with_context(|| format!("packing {}", dir.display()))
+    });
+    let body = reqwest::Body::wrap_stream(tokio_stream::wrappers::ReceiverStream::new(rx));
+    let resp = c
+        .req(reqwest::Method::PUT, &format!("{url}&format=tar"))
+        .body(body)
+        .send()
+        .await
+        .context("cannot reach the space server")?;
+    let resp = check(resp).await;
+    writer.await??;
+    let v: serde_json::Value = resp?.json().await.unwrap_or_default();
+    eprintln!(
+        "{} → {id}:{path} ({} entries, {} bytes)",
+        local.display(),
+        v["entries"],
+        v["bytes"]
+    );
+    Ok(())
+}
+
+/// Feeds tar output into the upload stream.
+struct ChannelWriter(tokio::sync::mpsc::Sender<std::io::Result<Vec<u8>>>);
+
+impl std::io::Write for ChannelWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0
+            .blocking_send(Ok(buf.to_vec()))
+            .map_err(|_| std::io::Error::new(std::io::ErrorKind::BrokenPipe, "upload ended"))?;
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+async fn download(c: &Client, id: &str, path: &str, local: &Path) -> anyhow::Result<()> {
+    let info: FileInfo = c
+        .send(c.req(
+            reqwest::Method::GET,
+            &format!("/v1/sandboxes/{id}/files/stat?{}", query_path(path)),
+        ))
+        .await?;
+    let url = format!("/v1/sandboxes/{id}/files?{}", query_path(path));
+    if info.kind == "dir" {
+        let resp = check(
+            c.req(reqwest::Method::GET, &format!("{url}&format=tar"))
+                .send()
+                .await
+                .context("cannot reach the space server")?,
+        )
+        .await?;
+        std::fs::create_dir_all(local).with_context(|| format!("creating {}", local.display()))?;
+        let (tx, rx) = std::sync::mpsc::sync_channel::<Vec<u8>>(8);
+        let dst = local.to_path_buf();
+        let unpack = tokio::task::spawn_blocking(move || -> anyhow::Result<u64> {
+            let mut a = tar::Archive::new(ChannelReader {
+                rx,
+                buf: Vec::new(),
+                pos: 0,
+            });
+            a.set_preserve_permissions(true);
+            a.set_overwrite(true);
+            let mut n = 0;
+            for entry in a.entries()? {
+                let mut entry = entry?;
+                // `unpack_in` refuses names that leave `dst`, and links that would lead out of it.
+                if !entry.unpack_in(&dst)? {
+                    bail!(
+                        "the sandbox sent an entry outside the target: {}",
+                        String::from_utf8_lossy(&entry.path_bytes())
+                    );
+                }
+                n += 1;
+            }
+            Ok(n)
+        });
+        let mut stream = resp.bytes_stream();
+        while let Some(chunk) = stream.next().await {
+            let chunk = chunk.context("reading the download")?;
+            if tx.send(chunk.to_vec()).is_err() {
+                break;
+            }
+        }
+        drop(tx);
+        let n = unpack.await??;
+        eprintln!("{id}:{path} → {} ({n} entries)", local.display());
+        return Ok(());
+    }
+    if info.kind != "file" {
+        bail!("{path} is a {}, not a file or directory", info.kind);
+    }
+    let target = if local.is_dir() {
+        let name = Path::new(path)
+            .file_name()
+            .context("the sandbox path has no file name")?;
+        local.join(name)
+    } else {
+        local.to_path_buf()
+    };
+    let resp = check(
+        c.req(reqwest::Method::GET, &url)
+            .send()
+            .await
+            .context("cannot reach the space server")?,
+    )
+    .await?;
+    let tmp = target.with_extension("space-partial");
+    let mut file = tokio::fs::File::create(&tmp)
+        .await
+        .with_context(|| format!("creating {}", tmp.display()))?;
+    let mut stream = resp.bytes_stream();
+    let mut n = 0u64;
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.context("reading the download")?;
+        n += chunk.len() as u64;
+        file.write_all(&chunk).await?;
+    }
+    file.flush().await?;
+    drop(file);
+    if n != info.size {
+        let _ = std::fs::remove_file(&tmp);
+        bail!(
+            "{path} changed during the download ({n} bytes, expected {})",
+            info.size
+        );
+    }
+    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(info.mode & 0o777))?;
+    std::fs::rename(&tmp, &target)?;
+    eprintln!("{id}:{path} → {} ({n} bytes)", target.display());
+    Ok(())
+}
+
+/// Reads what the download task hands over.
+struct ChannelReader {
+    rx: std::sync::mpsc::Receiver<Vec<u8>>,
+    buf: Vec<u8>,
+    pos: usize,
+}
+
+impl std::io::Read for ChannelReader {
+    fn read(&mut self, out: &mut [u8]) -> std::io::Result<usize> {
+        while self.pos >= self.buf.len() {
+            match self.rx.recv() {
+                Ok(b) => {
+                    self.buf = b;
+                    self.pos = 0;
+                }
+                Err(_) => return Ok(0),
+            }
+        }
+        let n = out.len().min(self.buf.len() - self.pos);
+        out[..n].copy_from_slice(&self.buf[self.pos..self.pos + n]);
+        self.pos += n;
+        Ok(n)
+    }
+}
+
+/// `space ls SANDBOX:PATH`.
+pub async fn ls(target: &str, depth: u32) -> anyhow::Result<i32> {
+    let Place::Sandbox { id, path } = place(target) else {
+        bail!("usage: space ls SANDBOX:/PATH");
+    };
+    let c = Client::from_env()?;
+    let list: Listing = c
+        .send(c.req(
+            reqwest::Method::GET,
+            &format!(
+                "/v1/sandboxes/{id}/files/list?{}&depth={depth}",
+                query_path(&path)
+            ),
+        ))
+        .await?;
+    for e in &list.entries {
+        let kind = match e.kind.as_str() {
+            "dir" => 'd',
+            "symlink" => 'l',
+            "file" => '-',
+            _ => '?',
+        };
+        let link = e
+            .link_target
+            .as_deref()
+            .map(|t| format!(" -> {t}"))
+            .unwrap_or_default();
+        println!(
+            "{kind}{:04o} {:>5}:{:<5} {:>12} {}{link}",
+            e.mode, e.uid, e.gid, e.size, e.path
+        );
+    }
+    if list.truncated {
+        eprintln!("(listing truncated)");
+    }
+    Ok(0)
+}
