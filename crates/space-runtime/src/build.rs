@@ -1178,59 +1178,92 @@ fn import_oci(name: &str, layout: &Path, rootfs: &Path) -> Result<(), TemplateEr
     Ok(())
 }
 
-/// Applies one (possibly compressed) layer tarball on top of `rootfs`.
+/// Applies one (possibly compressed) layer tarball on top of `rootfs`. The tarball is extracted
+/// into an empty staging directory first (so GNU tar's own guards against `..` and links apply),
+/// then merged: whiteouts remove what the lower layers had, and every entry is moved into place
+/// under parents that the merge has made real directories, so a symlink that a lower layer left
+/// (`etc -> /etc`) is replaced, never followed out of the root.
 fn apply_layer(name: &str, tar: &Path, rootfs: &Path) -> Result<(), TemplateError> {
-    let out = std::process::Command::new("tar")
-        .arg("-tf")
-        .arg(tar)
-        .stdin(Stdio::null())
-        .output()
-        .at("run", Path::new("tar"))?;
-    if !out.status.success() {
+    let Some(parent) = rootfs.parent() else {
         return Err(TemplateError::Build {
             name: name.to_owned(),
-            message: format!(
-                "cannot list layer {}: {}",
-                tar.display(),
-                String::from_utf8_lossy(&out.stderr).trim()
-            ),
+            message: "layer directory has no parent".into(),
         });
+    };
+    let staging = parent.join("staging");
+    if fs::symlink_metadata(&staging).is_ok() {
+        remove_tree(&staging)?;
     }
-    let listing = String::from_utf8_lossy(&out.stdout).into_owned();
-    let mut whiteouts = Vec::new();
-    for entry in listing.lines() {
-        let entry = entry.trim_start_matches("./").trim_start_matches('/');
-        let entry = entry.trim_end_matches('/');
-        let (dir, base) = match entry.rsplit_once('/') {
-            Some((d, b)) => (d, b),
-            None => ("", entry),
-        };
-        let Some(hidden) = base.strip_prefix(".wh.") else {
+    make_dir(&staging, 0o755)?;
+    extract_tar(name, tar, &staging)?;
+    let merged = merge_layer(&staging, rootfs);
+    let removed = remove_tree(&staging);
+    merged.and(removed)
+}
+
+/// Merges the extracted layer `src` (a real directory) into `dst` (a real directory).
+fn merge_layer(src: &Path, dst: &Path) -> Result<(), TemplateError> {
+    let mut names = fs::read_dir(src)
+        .at("list", src)?
+        .map(|e| e.map(|e| e.file_name()))
+        .collect::<Result<Vec<_>, _>>()
+        .at("list", src)?;
+    names.sort();
+    // Whiteouts first: they apply to the lower layers, not to this layer's own entries.
+    let mut rest = Vec::new();
+    for n in names {
+        let Some(hidden) = n.to_str().and_then(|s| s.strip_prefix(".wh.")) else {
+            rest.push(n);
             continue;
         };
-        // Whiteouts remove what the lower layers had, before this layer's own files arrive.
-        let probe = if dir.is_empty() {
-            "x".to_owned()
-        } else {
-            format!("{dir}/x")
-        };
-        let (host_dir, _) = resolve_in_root(rootfs, &probe).map_err(|m| TemplateError::Build {
-            name: name.to_owned(),
-            message: format!("whiteout {entry}: {m}"),
-        })?;
         if hidden == ".wh..opq" {
-            for e in fs::read_dir(&host_dir).at("list", &host_dir)? {
-                remove_tree(&e.at("list", &host_dir)?.path())?;
+            for e in fs::read_dir(dst).at("list", dst)? {
+                remove_tree(&e.at("list", dst)?.path())?;
             }
-        } else if !hidden.is_empty() && hidden != "." && hidden != ".." {
-            remove_tree(&host_dir.join(hidden))?;
+        } else if !hidden.is_empty() && hidden != "." && hidden != ".." && !hidden.contains('/') {
+            remove_tree(&dst.join(hidden))?;
         }
-        whiteouts.push(host_dir.join(base));
+        remove_tree(&src.join(&n))?;
     }
-    extract_tar(name, tar, rootfs)?;
-    for w in whiteouts {
-        if fs::symlink_metadata(&w).is_ok() {
-            remove_tree(&w)?;
+    for n in rest {
+        let from = src.join(&n);
+        let to = dst.join(&n);
+        let meta = fs::symlink_metadata(&from).at("inspect", &from)?;
+        let existing = match fs::symlink_metadata(&to) {
+            Ok(m) => Some(m),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => None,
+            Err(e) => return Err(e).at("inspect", &to),
+        };
+        if meta.is_dir() {
+            if existing.as_ref().is_some_and(|m| m.is_dir()) {
+                chown(&to, meta.uid(), meta.gid())?;
+                fs::set_permissions(&to, fs::Permissions::from_mode(meta.mode() & 0o7777))
+                    .at("set mode of", &to)?;
+                merge_layer(&from, &to)?;
+                continue;
+            }
+            strip_whiteouts(&from)?;
+        }
+        if existing.is_some() {
+            remove_tree(&to)?;
+        }
+        fs::rename(&from, &to).at("move into place", &to)?;
+    }
+    Ok(())
+}
+
+/// Removes whiteout files from a directory tree that had nothing below it to hide.
+fn strip_whiteouts(dir: &Path) -> Result<(), TemplateError> {
+    for e in fs::read_dir(dir).at("list", dir)? {
+        let e = e.at("list", dir)?;
+        let path = e.path();
+        if e.file_name()
+            .to_str()
+            .is_some_and(|n| n.starts_with(".wh."))
+        {
+            remove_tree(&path)?;
+        } else if e.file_type().at("inspect", &path)?.is_dir() {
+            strip_whiteouts(&path)?;
         }
     }
     Ok(())
@@ -1302,6 +1335,43 @@ mod tests {
         let (dir, _) = resolve_in_root(&root, "/usr/escape/passwd").unwrap();
         assert_eq!(dir, root.join("etc"));
         fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn layers_replace_links_instead_of_following_them() {
+        let base = std::env::temp_dir().join(format!("space-merge-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&base);
+        let (root, upper, outside) = (base.join("root"), base.join("upper"), base.join("outside"));
+        for d in [&root, &upper, &outside] {
+            fs::create_dir_all(d).unwrap();
+        }
+        // The lower layer left `etc -> <outside>` and some files; the upper one writes etc/passwd,
+        // hides `gone`, and makes `opq` opaque.
+        std::os::unix::fs::symlink(&outside, root.join("etc")).unwrap();
+        fs::write(root.join("gone"), "x").unwrap();
+        fs::create_dir_all(root.join("opq/old")).unwrap();
+        fs::create_dir_all(upper.join("etc")).unwrap();
+        fs::write(upper.join("etc/passwd"), "root").unwrap();
+        fs::write(upper.join(".wh.gone"), "").unwrap();
+        fs::create_dir_all(upper.join("opq")).unwrap();
+        fs::write(upper.join("opq/.wh..wh..opq"), "").unwrap();
+        fs::write(upper.join("opq/new"), "n").unwrap();
+        fs::create_dir_all(upper.join("fresh")).unwrap();
+        fs::write(upper.join("fresh/.wh.nothing"), "").unwrap();
+        merge_layer(&upper, &root).unwrap();
+        assert!(
+            fs::read_dir(&outside).unwrap().next().is_none(),
+            "wrote outside the root"
+        );
+        assert_eq!(fs::read_to_string(root.join("etc/passwd")).unwrap(), "root");
+        assert!(!fs::symlink_metadata(root.join("etc"))
+            .unwrap()
+            .file_type()
+            .is_symlink());
+        assert!(!root.join("gone").exists());
+        assert!(!root.join("opq/old").exists() && root.join("opq/new").exists());
+        assert!(root.join("fresh").is_dir() && !root.join("fresh/.wh.nothing").exists());
+        fs::remove_dir_all(&base).unwrap();
     }
 
     #[test]
