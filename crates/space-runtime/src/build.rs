@@ -515,6 +515,7 @@ impl Builder {
                         async move {
                             run_mmdebstrap(&name, &rootfs, &packages, &|l| {
                                 log.line(&l);
+                                progress(format!("step 1/{total}: {l}"));
                             })
                             .await?;
                             blocking(&name, move || finish_debian(&rootfs)).await
