@@ -271,6 +271,19 @@ pub fn validate(recipe: Recipe, import_dirs: &[PathBuf]) -> Result<ValidRecipe, 
             return bad(format!("invalid user {:?}", cut(u, 64)));
         }
     }
+    if let Some(r) = &recipe.resources {
+        // The same bounds as a sandbox request, so the defaults never make a create fail.
+        for (what, v, lo, hi) in [
+            ("vcpus", r.vcpus.map(u64::from), 1, 64),
+            ("memory_mib", r.memory_mib, 64, 1 << 20),
+            ("disk_mib", r.disk_mib, 64, 1 << 24),
+            ("pids", r.pids, 16, 1 << 22),
+        ] {
+            if v.is_some_and(|v| v < lo || v > hi) {
+                return bad(format!("resources.{what} must be between {lo} and {hi}"));
+            }
+        }
+    }
     if let Some(start) = &recipe.start {
         check_script("start.run", &start.run)?;
         if let Some(ready) = &start.ready {
@@ -1290,6 +1303,7 @@ mod tests {
             serde_json::json!({"name": "a", "base": "busybox", "files": [{"path": "/a/../b"}]}),
             serde_json::json!({"name": "a", "base": "busybox", "steps": [{"run": " "}]}),
             serde_json::json!({"name": "a", "base": "template:a"}),
+            serde_json::json!({"name": "a", "base": "busybox", "resources": {"vcpus": 0}}),
         ] {
             assert!(
                 matches!(recipe(bad.clone()), Err(RecipeError::Invalid(_))),
