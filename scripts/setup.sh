@@ -48,4 +48,7 @@ if [ "${#missing[@]}" -gt 0 ]; then
   apt-get install -y -q "${missing[@]}" >/dev/null
 fi
 
+# The microVM guest: kernel + initramfs (QEMU, busybox-static, cpio come with it).
+scripts/build-guest.sh "${SPACE_GUEST_DIR:-$PWD/target/guest}"
+
 echo "setup: $(runsc --version | head -n1), $(mmdebstrap --version), busybox $(busybox | head -n1 | awk '{print $2}')"

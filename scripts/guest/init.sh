@@ -1,0 +1,123 @@
+#!/bin/busybox sh
+# /init of the space microVM initramfs (built by scripts/build-guest.sh).
+#
+# Contract with the host (space_runtime::microvm):
+#   kernel command line: space.id=<sandbox id> space.token=<token> [space.pids=<n>]
+#     [space.disk=1] [space.hostname=<name>]; anything else is ignored.
+#   /dev/vda (first virtio-blk device): the root filesystem, ext4. With space.disk=1 it is
+#     grown online to the size of the device.
+#   virtio-serial port named `space.agent`: the agent's byte stream to the host
+#     (/dev/virtio-ports/space.agent inside the sandbox).
+#   /space-agent: the agent, appended to this initramfs by the host as a second cpio archive.
+# It mounts the root, gives it /proc /sys /dev /dev/pts /dev/shm, puts the agent on a read-only
+# tmpfs at /.space/bin and the token in /.space/run/token, and becomes the agent (PID 1).
+# On any failure it prints one `space-init: ...` line and powers the VM off.
+
+export PATH=/bin:/sbin
+
+fail() {
+  echo "space-init: $*" >/dev/console 2>/dev/null || echo "space-init: $*"
+  sync
+  poweroff -f
+  # Where power-off is not wired up, a reset with QEMU's -no-reboot still ends the VM.
+  reboot -f
+  while :; do sleep 1; done
+}
+
+mount -t devtmpfs -o mode=0755,nosuid devtmpfs /dev || fail "cannot mount devtmpfs on /dev"
+exec </dev/console >/dev/console 2>&1
+mount -t proc -o nosuid,nodev,noexec proc /proc || fail "cannot mount /proc"
+mount -t sysfs -o nosuid,nodev,noexec sysfs /sys || fail "cannot mount /sys"
+
+id= token= pids= disk= hostname=
+# shellcheck disable=SC2013 # words, not lines
+for word in $(cat /proc/cmdline); do
+  case "$word" in
+    space.id=*) id="${word#space.id=}" ;;
+    space.token=*) token="${word#space.token=}" ;;
+    space.pids=*) pids="${word#space.pids=}" ;;
+    space.disk=*) disk="${word#space.disk=}" ;;
+    space.hostname=*) hostname="${word#space.hostname=}" ;;
+  esac
+done
+[ -n "$id" ] || fail "no space.id= on the kernel command line"
+[ -n "$token" ] || fail "no space.token= on the kernel command line"
+case "$pids" in
+  '' | *[!0-9]*) [ -z "$pids" ] || fail "space.pids=$pids is not a number" ;;
+esac
+
+while read -r mod; do
+  [ -n "$mod" ] || continue
+  # EEXIST: already loaded (or built in on another kernel) is fine.
+  out="$(insmod "/lib/modules/$mod.ko" 2>&1)" || case "$out" in
+    *exists*) ;;
+    *) fail "cannot load module $mod: $out" ;;
+  esac
+done </lib/modules/order
+
+# Devices appear while the drivers probe; wait for them (5 s at most, polled).
+port=
+tries=0
+while :; do
+  if [ -b /dev/vda ] && [ -z "$port" ]; then
+    for p in /sys/class/virtio-ports/*; do
+      [ -f "$p/name" ] && [ "$(cat "$p/name")" = space.agent ] && port="${p##*/}"
+    done
+  fi
+  [ -b /dev/vda ] && [ -n "$port" ] && [ -c "/dev/$port" ] && break
+  tries=$((tries + 1))
+  if [ "$tries" -gt 100 ]; then
+    [ -b /dev/vda ] || fail "no root disk /dev/vda (virtio-blk) after 5 s"
+    fail "no virtio-serial port named space.agent after 5 s"
+  fi
+  sleep 0.05
+done
+mkdir -p /dev/virtio-ports
+ln -sf "../$port" /dev/virtio-ports/space.agent
+
+mount -t ext4 -o rw,noatime /dev/vda /newroot || fail "cannot mount /dev/vda (ext4) on /newroot"
+if [ "$disk" = 1 ]; then
+  # Online growth to the device's size: the sandbox's disk quota is the overlay's virtual size.
+  out="$(resize2fs /dev/vda 2>&1)" || fail "cannot grow the root filesystem: $(echo "$out" | tail -n1)"
+fi
+
+r=/newroot
+[ -d $r/.space ] || mkdir -m 0755 $r/.space || fail "cannot create /.space in the root filesystem"
+mount -t tmpfs -o mode=0755,nosuid,nodev,size=1m space $r/.space || fail "cannot mount /.space"
+mkdir -p -m 0755 $r/.space/bin $r/.space/run
+mount -t tmpfs -o mode=0755,nosuid,nodev space-bin $r/.space/bin || fail "cannot mount /.space/bin"
+[ -f /space-agent ] || fail "no /space-agent in the initramfs (the host appends it)"
+cp /space-agent $r/.space/bin/space-agent || fail "cannot copy the agent (out of memory?)"
+chmod 0755 $r/.space/bin/space-agent
+mount -o remount,ro,nosuid,nodev space-bin $r/.space/bin || fail "cannot make /.space/bin read-only"
+mount -t tmpfs -o mode=0700,nosuid,nodev,noexec,size=1m space-run $r/.space/run || fail "cannot mount /.space/run"
+(umask 077 && echo "$token" >$r/.space/run/token) || fail "cannot write the token"
+
+for d in dev proc sys tmp; do
+  [ -d $r/$d ] || mkdir -p $r/$d || fail "cannot create /$d in the root filesystem"
+done
+chmod 1777 $r/tmp 2>/dev/null
+mount --move /dev $r/dev || fail "cannot move /dev"
+mount --move /proc $r/proc || fail "cannot move /proc"
+mount --move /sys $r/sys || fail "cannot move /sys"
+mkdir -p $r/dev/pts $r/dev/shm
+mount -t devpts -o nosuid,noexec,newinstance,ptmxmode=0666,mode=0620,gid=5 devpts $r/dev/pts \
+  || fail "cannot mount /dev/pts"
+mount -t tmpfs -o nosuid,nodev,noexec,mode=1777 shm $r/dev/shm || fail "cannot mount /dev/shm"
+ln -sf pts/ptmx $r/dev/ptmx 2>/dev/null || { rm -f $r/dev/ptmx && ln -s pts/ptmx $r/dev/ptmx; }
+ln -sfn /proc/self/fd $r/dev/fd
+ln -sf /proc/self/fd/0 $r/dev/stdin
+ln -sf /proc/self/fd/1 $r/dev/stdout
+ln -sf /proc/self/fd/2 $r/dev/stderr
+
+ip link set lo up 2>/dev/null
+hostname "${hostname:-$id}" 2>/dev/null
+
+exec env -i \
+  PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+  SPACE_SANDBOX_ID="$id" \
+  SPACE_AGENT_TOKEN_FILE=/.space/run/token \
+  SPACE_PIDS_LIMIT="$pids" \
+  SPACE_AGENT_PORT=/dev/virtio-ports/space.agent \
+  /bin/switch_root $r /.space/bin/space-agent
+fail "cannot switch to the root filesystem"
