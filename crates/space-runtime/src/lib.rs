@@ -2,6 +2,7 @@
 
 pub mod build;
 pub mod disk;
+pub mod guest;
 pub mod gvisor;
 pub mod template;
 
