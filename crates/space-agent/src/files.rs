@@ -28,7 +28,7 @@ use crate::http::Body;
 const ROOT_ENV: &str = "SPACE_AGENT_FILES_ROOT";
 /// Chunks in flight per body, each at most [`CHUNK`].
 const QUEUE: usize = 4;
-const CHUNK: usize = 64 * 1024;
+const CHUNK: usize = 256 * 1024;
 /// Trailer sent when a streamed download fails after its headers went out.
 const ERROR_TRAILER: &str = "x-space-error";
 

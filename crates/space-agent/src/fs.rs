@@ -1578,10 +1578,14 @@ impl Packer<'_> {
                 let size = fst.st_size.max(0) as u64;
                 h.set_entry_type(tar::EntryType::Regular);
                 h.set_size(size);
-                let data = Exact {
-                    inner: File::from(fd),
-                    left: size,
-                };
+                // Big reads: each one is a syscall, and inside gVisor those are what cost.
+                let data = io::BufReader::with_capacity(
+                    1 << 20,
+                    Exact {
+                        inner: File::from(fd),
+                        left: size,
+                    },
+                );
                 b.append_data(&mut h, path, data).map_err(werr)
             }
             // Devices, fifos and sockets have no place in an archive of files.

@@ -215,8 +215,9 @@ async fn serve(stream: UnixStream, agent: Arc<Agent>) {
     });
     let mut builder = http2::Builder::new(TokioExecutor::new());
     builder
-        .initial_stream_window_size(1 << 20)
-        .initial_connection_window_size(4 << 20)
+        .initial_stream_window_size(4 << 20)
+        .initial_connection_window_size(16 << 20)
+        .max_frame_size(1 << 20)
         .max_concurrent_streams(1024)
         .timer(TokioTimer::new())
         .keep_alive_interval(KEEPALIVE_INTERVAL)

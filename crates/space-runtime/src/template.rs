@@ -487,6 +487,72 @@ impl TemplateStore {
         .await
     }
 
+    /// Publishes the next version of `name` from a root filesystem that `fill` writes into an
+    /// empty directory (a sandbox's files, say): it becomes the new layer `key` (refused if one
+    /// of that key exists), gets the template's mount points and network files, then
+    /// [`TemplateStore::publish_version`] with `meta`'s settings. A failed `fill` leaves nothing.
+    pub async fn publish_rootfs<F>(
+        &self,
+        key: &str,
+        fill: F,
+        meta: Template,
+    ) -> Result<(Template, bool), TemplateError>
+    where
+        F: FnOnce(&Path) -> Result<(), TemplateError> + Send + 'static,
+    {
+        let name = meta.name.clone();
+        validate_name(&name)?;
+        if is_builtin(&name) {
+            return Err(TemplateError::Builtin(name));
+        }
+        if key.is_empty() || !key.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err(TemplateError::Build {
+                name,
+                message: format!("invalid layer key {key:?}"),
+            });
+        }
+        let layers = self.layers_dir();
+        let dir = layers.join(key);
+        let (k, n) = (key.to_owned(), name.clone());
+        let rootfs = blocking(&name, move || {
+            fs::create_dir_all(&layers).at("create", &layers)?;
+            if dir.exists() {
+                return Err(TemplateError::Build {
+                    name: n,
+                    message: format!("layer {k} exists already"),
+                });
+            }
+            let mut random = [0u8; 8];
+            getrandom::getrandom(&mut random)
+                .map_err(|e| TemplateError::Io(io::Error::other(e.to_string())))?;
+            let tmp = layers.join(format!(".tmp-{k}-{}", hex(&random)));
+            make_dir(&tmp, 0o755)?;
+            let rootfs = tmp.join(ROOTFS_DIR);
+            let filled = make_dir(&rootfs, 0o755)
+                .and_then(|()| fill(&rootfs))
+                .and_then(|()| add_mount_points(&rootfs))
+                .and_then(|()| write_network_files(&rootfs))
+                .and_then(|()| {
+                    let meta = serde_json::json!({ "key": k, "template": n, "what": "import" });
+                    write_atomic(&tmp.join("layer.json"), meta.to_string().as_bytes())
+                });
+            if let Err(e) = filled {
+                let _ = remove_tree(&tmp);
+                return Err(e);
+            }
+            fs::rename(&tmp, &dir).at("publish", &dir)?;
+            fsync_dir(&layers)?;
+            Ok(dir.join(ROOTFS_DIR))
+        })
+        .await?;
+        self.publish_version(Template {
+            rootfs,
+            layer: Some(key.to_owned()),
+            ..meta
+        })
+        .await
+    }
+
     /// Removes recipe-built template `name` with all its versions (its layers stay in the
     /// cache). Built-ins are refused. The caller checks that no sandbox uses it.
     pub async fn delete(&self, name: &str) -> Result<(), TemplateError> {

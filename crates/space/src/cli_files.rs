@@ -173,14 +173,10 @@ async fn download(c: &Client, id: &str, path: &str, local: &Path) -> anyhow::Res
         )
         .await?;
         std::fs::create_dir_all(local).with_context(|| format!("creating {}", local.display()))?;
-        let (tx, rx) = std::sync::mpsc::sync_channel::<Vec<u8>>(8);
+        let (tx, rx) = tokio::sync::mpsc::channel::<std::io::Result<Vec<u8>>>(8);
         let dst = local.to_path_buf();
         let unpack = tokio::task::spawn_blocking(move || -> anyhow::Result<u64> {
-            let mut a = tar::Archive::new(ChannelReader {
-                rx,
-                buf: Vec::new(),
-                pos: 0,
-            });
+            let mut a = tar::Archive::new(ChannelReader::new(rx));
             a.set_preserve_permissions(true);
             a.set_overwrite(true);
             let mut n = 0;
@@ -199,8 +195,11 @@ async fn download(c: &Client, id: &str, path: &str, local: &Path) -> anyhow::Res
         });
         let mut stream = resp.bytes_stream();
         while let Some(chunk) = stream.next().await {
-            let chunk = chunk.context("reading the download")?;
-            if tx.send(chunk.to_vec()).is_err() {
+            let item = chunk
+                .map(|c| c.to_vec())
+                .map_err(|e| std::io::Error::other(format!("reading the download: {e}")));
+            let failed = item.is_err();
+            if tx.send(item).await.is_err() || failed {
                 break;
             }
         }
@@ -253,22 +252,33 @@ async fn download(c: &Client, id: &str, path: &str, local: &Path) -> anyhow::Res
     Ok(())
 }
 
-/// Reads what the download task hands over.
-struct ChannelReader {
-    rx: std::sync::mpsc::Receiver<Vec<u8>>,
+/// A blocking reader of what an async task hands over in chunks; an error chunk
+/// fails the read (a broken download must never look like a short, complete one).
+pub(crate) struct ChannelReader {
+    rx: tokio::sync::mpsc::Receiver<std::io::Result<Vec<u8>>>,
     buf: Vec<u8>,
     pos: usize,
+}
+
+impl ChannelReader {
+    pub(crate) fn new(rx: tokio::sync::mpsc::Receiver<std::io::Result<Vec<u8>>>) -> Self {
+        ChannelReader {
+            rx,
+            buf: Vec::new(),
+            pos: 0,
+        }
+    }
 }
 
 impl std::io::Read for ChannelReader {
     fn read(&mut self, out: &mut [u8]) -> std::io::Result<usize> {
         while self.pos >= self.buf.len() {
-            match self.rx.recv() {
-                Ok(b) => {
-                    self.buf = b;
+            match self.rx.blocking_recv() {
+                Some(b) => {
+                    self.buf = b?;
                     self.pos = 0;
                 }
-                Err(_) => return Ok(0),
+                None => return Ok(0),
             }
         }
         let n = out.len().min(self.buf.len() - self.pos);

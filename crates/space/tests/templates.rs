@@ -777,3 +777,87 @@ run = "echo cli-step-ran; wc -c < /srv/payload.bin > /srv/size"
     assert_no_build_left(&s);
     remove_layers_of(&[&name]);
 }
+
+/// `POST path {name}` and a wait for the operation to succeed.
+async fn snapshot(s: &TestServer, path: &str, name: &str) -> Value {
+    let (st, op) = s.post(path, json!({ "name": name })).await;
+    assert_eq!(st, 202, "{op}");
+    assert_eq!(op["kind"], "build");
+    let op = s.wait_op(op["id"].as_str().unwrap()).await;
+    assert_eq!(op["status"], "succeeded", "{op}");
+    op
+}
+
+#[tokio::test]
+async fn snapshot_template_turns_a_sandbox_into_a_new_version() {
+    let s = TestServer::start().await;
+    let (name, _) = unique("snap");
+    let sb = s.create("busybox").await;
+    sh_out(
+        &s,
+        &sb,
+        "mkdir -p /data/sub && echo one > /data/sub/f && chmod 600 /data/sub/f && chown 1000:1000 /data/sub/f \
+         && ln -s sub/f /data/link && echo tmp > /tmp/scratch",
+    )
+    .await;
+
+    // Bad requests change nothing.
+    let path = format!("/v1/sandboxes/{sb}/snapshot-template");
+    for (body, want) in [
+        (json!({"name": "Bad Name!"}), 400),
+        (json!({"name": "busybox"}), 409),
+        (json!({"name": name, "colour": 1}), 400),
+        (json!({}), 400),
+    ] {
+        let (st, v) = s.post(&path, body.clone()).await;
+        assert_eq!(st, want, "{body}: {v}");
+    }
+    let (st, _) = s
+        .post(
+            "/v1/sandboxes/sb_aaaaaaaaaaaaaaaaaaaa/snapshot-template",
+            json!({"name": name}),
+        )
+        .await;
+    assert_eq!(st, 404);
+    assert!(template(&s, &name).await.is_none());
+
+    snapshot(&s, &path, &name).await;
+    let t = template(&s, &name).await.expect("the new template");
+    assert_eq!(t["version"], "v1", "{t}");
+    assert_eq!(t["base"], format!("sandbox:{sb}"), "{t}");
+
+    // A sandbox of it has the files, modes, owners and links; /proc and the agent work.
+    let child = s.create(&name).await;
+    let out = sh_out(
+        &s,
+        &child,
+        "cat /data/link; stat -c '%a %u' /data/sub/f; cat /tmp/scratch 2>/dev/null; ls /proc/self/exe >/dev/null && echo proc-ok",
+    )
+    .await;
+    assert_eq!(
+        out, "one\n600 1000\nproc-ok\n",
+        "/tmp is a mount point, emptied"
+    );
+
+    // Change the source, snapshot again: v2; the child of v1 is unaffected.
+    sh_out(&s, &sb, "echo two > /data/sub/f").await;
+    snapshot(&s, &path, &name).await;
+    assert_eq!(template(&s, &name).await.unwrap()["version"], "v2");
+    let child2 = s.create(&name).await;
+    assert_eq!(sh_out(&s, &child2, "cat /data/sub/f").await, "two\n");
+    assert_eq!(sh_out(&s, &child, "cat /data/sub/f").await, "one\n");
+
+    // A paused sandbox cannot be copied.
+    let (_, op) = s
+        .post(&format!("/v1/sandboxes/{sb}/pause"), json!({}))
+        .await;
+    s.wait_op(op["id"].as_str().unwrap()).await;
+    let (st, v) = s.post(&path, json!({ "name": name })).await;
+    assert_eq!(st, 409, "{v}");
+
+    for id in [&sb, &child, &child2] {
+        s.destroy(id).await;
+    }
+    delete_template(&s, &name).await;
+    remove_layers_of(&[&name]);
+}

@@ -47,6 +47,10 @@ pub fn router(state: AppState) -> Router {
         .route("/sandboxes/:id/suspend", post(sandboxes::suspend))
         .route("/sandboxes/:id/keepalive", post(sandboxes::keepalive))
         .route(
+            "/sandboxes/:id/snapshot-template",
+            post(sandboxes::snapshot_template),
+        )
+        .route(
             "/sandboxes/:id/commands",
             post(commands::create).get(commands::list),
         )

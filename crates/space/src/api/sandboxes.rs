@@ -73,6 +73,24 @@ pub async fn pause(State(st): State<AppState>, Path(id): Path<String>) -> Respon
     accepted(st.service.pause(&id))
 }
 
+/// `POST /v1/sandboxes/{id}/snapshot-template {name}`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SnapshotTemplateRequest {
+    name: String,
+}
+
+pub async fn snapshot_template(
+    State(st): State<AppState>,
+    Path(id): Path<String>,
+    ApiJson(req): ApiJson<SnapshotTemplateRequest>,
+) -> Response {
+    if let Err(r) = check_id(&id, "sb", "sandbox") {
+        return r.into_response();
+    }
+    accepted(st.service.snapshot_template(&id, &req.name))
+}
+
 pub async fn resume(State(st): State<AppState>, Path(id): Path<String>) -> Response {
     if let Err(r) = check_id(&id, "sb", "sandbox") {
         return r.into_response();

@@ -34,6 +34,10 @@ static GENERATION: AtomicU64 = AtomicU64::new(0);
 
 /// How long a freshly accepted connection may take to say hello.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+/// HTTP/2 flow-control windows and largest frame the host accepts from the agent.
+const H2_STREAM_WINDOW: u32 = 4 << 20;
+const H2_CONNECTION_WINDOW: u32 = 16 << 20;
+const H2_MAX_FRAME: u32 = 1 << 20;
 /// Largest JSON response accepted from an agent.
 const MAX_AGENT_JSON: usize = 4 << 20;
 
@@ -256,11 +260,14 @@ async fn serve_connection(
     generation: u64,
     conn: watch::Sender<Option<AgentConn>>,
 ) {
-    let (sender, connection) = match hyper::client::conn::http2::handshake(
-        TokioExecutor::new(),
-        TokioIo::new(stream),
-    )
-    .await
+    // Big windows and frames: every frame is a syscall or two on each side, and
+    // inside gVisor syscalls are what a transfer costs.
+    let (sender, connection) = match hyper::client::conn::http2::Builder::new(TokioExecutor::new())
+        .initial_stream_window_size(H2_STREAM_WINDOW)
+        .initial_connection_window_size(H2_CONNECTION_WINDOW)
+        .max_frame_size(H2_MAX_FRAME)
+        .handshake(TokioIo::new(stream))
+        .await
     {
         Ok(pair) => pair,
         Err(e) => {

@@ -13,6 +13,7 @@ mod lifecycle;
 pub mod output;
 mod reconcile;
 mod retention;
+mod snapshot;
 mod templates;
 
 use std::collections::{BTreeMap, HashMap};

@@ -1,0 +1,184 @@
+//! `POST /v1/sandboxes/{id}/snapshot-template {name}`: a sandbox's current
+//! filesystem becomes the next version of a template.
+//!
+//! The agent packs the sandbox's root (without /proc, /sys, /dev and /.space) as a
+//! tar; the server unpacks that untrusted stream with `space_agent::fs` (one
+//! directory descriptor at a time, no link followed out, no device nodes) into a
+//! fresh layer of the template store, which then publishes it as a version. The
+//! copy is taken live: the sandbox keeps running, so files that change during the
+//! copy are caught at some point of their change.
+
+use http::{Method, Request};
+use http_body_util::{BodyExt, Full};
+use space_api::{ApiError, Operation, OperationKind, OperationStatus, SandboxState};
+use space_runtime::template::{DefaultResources, Template, TemplateError};
+
+use super::{agent, error_chain, new_operation, Result, Service, ServiceError};
+use crate::cli_files::ChannelReader;
+
+/// Most a template made from a sandbox may hold.
+const MAX_SNAPSHOT_BYTES: u64 = 64 << 30;
+const MAX_SNAPSHOT_ENTRIES: u64 = 2_000_000;
+
+impl Service {
+    pub fn snapshot_template(&self, sandbox_id: &str, name: &str) -> Result<Operation> {
+        let rec = self.record(sandbox_id)?;
+        if rec.sandbox.state != SandboxState::Running {
+            return Err(ServiceError::Conflict(format!(
+                "sandbox {sandbox_id} is {}: a template can be made from a running sandbox only",
+                rec.sandbox.state
+            )));
+        }
+        match self.0.templates.get(name) {
+            Err(TemplateError::InvalidName(_)) => {
+                return Err(ServiceError::BadRequest(format!(
+                    "invalid template name {:?}: use 1 to 63 of a-z, 0-9, '.', '_' and '-'",
+                    super::truncate(name, 80)
+                )))
+            }
+            Ok(_) if space_runtime::template::TemplateStore::BUILTIN.contains(&name) => {
+                return Err(ServiceError::Conflict(format!(
+                    "{name} is a built-in template; choose another name"
+                )))
+            }
+            _ => {}
+        }
+        let mut op = new_operation(OperationKind::Build, Some(sandbox_id));
+        op.template = Some(name.to_owned());
+        self.0.store.insert_operation(&op)?;
+        tracing::info!(sandbox = %sandbox_id, operation = %op.id, template = %name, "snapshot-template requested");
+        let svc = self.clone();
+        let (op_id, sb, name) = (op.id.clone(), sandbox_id.to_owned(), name.to_owned());
+        tokio::spawn(async move {
+            let result = svc.run_snapshot(&op_id, &sb, &name).await;
+            let error = match result {
+                Ok(t) => {
+                    let _ = svc.update_op(&op_id, |op| {
+                        op.status = OperationStatus::Succeeded;
+                        op.progress = Some(format!("published {} {}", t.name, t.version));
+                    });
+                    return;
+                }
+                Err(e) => e,
+            };
+            tracing::warn!(operation = %op_id, error = %error.message, "snapshot-template failed");
+            let _ = svc.finish_op(&op_id, Some(error));
+        });
+        Ok(op)
+    }
+
+    async fn run_snapshot(
+        &self,
+        op_id: &str,
+        sandbox_id: &str,
+        name: &str,
+    ) -> std::result::Result<Template, ApiError> {
+        let internal = |e: ServiceError| ApiError::new("internal", e.to_string());
+        self.update_op(op_id, |op| {
+            op.status = OperationStatus::Running;
+            op.progress = Some("copying the sandbox's files".into());
+        })
+        .map_err(internal)?;
+        let rec = self.record(sandbox_id).map_err(internal)?;
+        let handle = self
+            .live_handle(sandbox_id)
+            .ok_or_else(|| ApiError::new("conflict", "the sandbox is not running"))?;
+        let mut rx = handle.agent.subscribe();
+        let conn = agent::wait_connected(&mut rx, std::time::Duration::from_secs(20))
+            .await
+            .map_err(|e| ApiError::new("unavailable", e.to_string()))?;
+        let req = Request::builder()
+            .method(Method::GET)
+            .uri("http://agent/v1/files?path=%2F&format=tar")
+            .body(
+                Full::new(bytes::Bytes::new())
+                    .map_err(|never| match never {})
+                    .boxed_unsync(),
+            )
+            .map_err(|e| ApiError::new("internal", e.to_string()))?;
+        let resp = conn
+            .send(req)
+            .await
+            .map_err(|e| ApiError::new("unavailable", error_chain(&e)))?;
+        if !resp.status().is_success() {
+            return Err(ApiError::new(
+                "agent_error",
+                format!("the sandbox's agent answered {} to the copy", resp.status()),
+            ));
+        }
+        self.touch(sandbox_id);
+
+        // The download feeds a blocking unpacker through a small queue (bounded memory);
+        // an error trailer from the agent, or a broken stream, fails the reader.
+        let (tx, rx) = tokio::sync::mpsc::channel::<std::io::Result<Vec<u8>>>(8);
+        let mut body = resp.into_body();
+        let pump = tokio::spawn(async move {
+            while let Some(frame) = body.frame().await {
+                let item = match frame {
+                    Ok(f) => match f.into_data() {
+                        Ok(data) => Ok(data.to_vec()),
+                        Err(f) => match f.trailers_ref().and_then(|t| t.get("x-space-error")) {
+                            Some(e) => Err(std::io::Error::other(format!(
+                                "the agent failed while packing: {}",
+                                String::from_utf8_lossy(&e.as_bytes()[..e.len().min(512)])
+                            ))),
+                            None => continue,
+                        },
+                    },
+                    Err(e) => Err(std::io::Error::other(format!("the copy broke off: {e}"))),
+                };
+                let failed = item.is_err();
+                if tx.send(item).await.is_err() || failed {
+                    return;
+                }
+            }
+        });
+        let key: String = format!("snapshot:{op_id}")
+            .bytes()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        let r = &rec.sandbox.resources;
+        let meta = Template {
+            name: name.to_owned(),
+            version: String::new(),
+            rootfs: Default::default(),
+            env: rec.template_env.clone(),
+            workdir: rec.template_workdir.clone(),
+            user: rec.template_user.clone(),
+            size_bytes: 0,
+            created_at: String::new(),
+            layer: None,
+            resources: Some(DefaultResources {
+                vcpus: r.vcpus,
+                memory_mib: r.memory_mib,
+                disk_mib: r.disk_mib,
+                pids: r.pids,
+            }),
+            start: None,
+            base: Some(format!("sandbox:{sandbox_id}")),
+        };
+        let fill = move |rootfs: &std::path::Path| {
+            let root = space_agent::fs::Root::open(rootfs).map_err(|e| TemplateError::Build {
+                name: "snapshot".into(),
+                message: e.message(),
+            })?;
+            let limits = space_agent::fs::Limits {
+                max_bytes: MAX_SNAPSHOT_BYTES,
+                max_entries: MAX_SNAPSHOT_ENTRIES,
+                ..Default::default()
+            };
+            root.unpack_tar(ChannelReader::new(rx), &limits)
+                .map(|_| ())
+                .map_err(|e| TemplateError::Build {
+                    name: "snapshot".into(),
+                    message: format!("unpacking the sandbox's files: {}", e.message()),
+                })
+        };
+        let published = self.0.templates.publish_rootfs(&key, fill, meta).await;
+        pump.abort();
+        let (template, _) =
+            published.map_err(|e| ApiError::new("snapshot_failed", error_chain(&e)))?;
+        tracing::info!(sandbox = %sandbox_id, template = %template.name, version = %template.version, "template made from a sandbox");
+        Ok(template)
+    }
+}
