@@ -1,0 +1,1107 @@
+//! The microVM driver: one QEMU `-M microvm` virtual machine per sandbox, with hardware KVM
+//! where it is usable and TCG (software emulation) elsewhere. **TCG is not a security
+//! boundary**: the guest runs in QEMU's own process, so a QEMU bug is a host compromise.
+//!
+//! A sandbox's VM boots the guest kernel and initramfs of `guest_dir` (built by
+//! `scripts/build-guest.sh`, the agent appended by [`crate::guest::initramfs_with_agent`]),
+//! whose `/init` mounts the first virtio-blk disk as the root and becomes `space-agent`. The
+//! disk is a qcow2 overlay in the sandbox's state directory on top of a cached ext4 image of
+//! the template ([`image`]); its virtual size is the sandbox's disk quota. The agent's byte
+//! stream is a virtio-serial port named `space.agent` whose host end is a Unix socket client
+//! of `run_dir/agent.sock` (the same server socket as for gVisor), reconnecting when the
+//! server restarts. There is no network device at all.
+//!
+//! QEMU runs in its own process group (it outlives a restart of the server; not
+//! `-daemonize`, which forks after the seccomp filter forbids it), with a pid file and a QMP
+//! socket in the sandbox's state directory:
+//!
+//! ```text
+//! <state_dir>/disk.qcow2    the sandbox's disk (kept by stop and checkpoint)
+//! <state_dir>/launch.json   QEMU's argument list (0600: it holds the agent token), for restore
+//! <state_dir>/qemu.pid      QEMU's pid while it runs
+//! <state_dir>/qmp.sock      QMP
+//! <state_dir>/console.log   the guest's serial console
+//! <state_dir>/qemu.log      QEMU's own messages (stdout and stderr)
+//! <state_root>/<id>         symlink to <state_dir>: how id-only calls find a sandbox
+//! <image_dir>/memory        a checkpoint's memory and device state (QEMU migration stream)
+//! ```
+//!
+//! What is QEMU-specific (the command line, QMP) stays in small private functions and the
+//! [`qmp`] module, so a Firecracker driver can reuse the rest (see `docs/FIRECRACKER.md`).
+
+pub mod image;
+pub mod qmp;
+
+use std::ffi::OsString;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use serde_json::{json, Value};
+use space_core::runtime::{Runtime, RuntimeError, RuntimeStatus, SandboxSpec};
+use tokio::process::Command;
+
+use qmp::{Qmp, QmpError};
+
+/// Files of the guest directory.
+pub const GUEST_KERNEL: &str = "vmlinuz";
+pub const GUEST_INITRAMFS: &str = "initramfs.cpio.gz";
+pub const GUEST_VERSION: &str = "VERSION";
+
+/// Files in a sandbox's state directory.
+const DISK_FILE: &str = "disk.qcow2";
+const LAUNCH_FILE: &str = "launch.json";
+const PID_FILE: &str = "qemu.pid";
+const QMP_SOCKET: &str = "qmp.sock";
+const CONSOLE_LOG: &str = "console.log";
+const QEMU_LOG: &str = "qemu.log";
+/// The memory file of a checkpoint, in its image directory.
+pub const MEMORY_FILE: &str = "memory";
+/// The agent's socket in the run directory (the host listens, QEMU dials).
+const AGENT_SOCKET: &str = "agent.sock";
+/// Device id of the agent's port (QEMU names it in `VSERPORT_CHANGE` events).
+const AGENT_PORT_ID: &str = "agentport";
+/// How long a restored guest may take to notice that the host went away.
+const AGENT_HANGUP_TIMEOUT: Duration = Duration::from_secs(10);
+/// Where a restoring VM's agent port points until the guest saw the host go (nobody listens).
+const DETACHED_SOCKET: &str = "detached.sock";
+const AGENT_CHARDEV_PREFIX: &str = "socket,id=agent,";
+/// How often QEMU dials the host's agent socket while it is not connected.
+const AGENT_RECONNECT_MS: u64 = 200;
+
+/// Defaults when the spec leaves a resource at 0.
+const DEFAULT_MEMORY_MIB: u64 = 512;
+const DEFAULT_DISK_MIB: u64 = 1024;
+/// Longest Unix socket path (sun_path, with its terminating NUL).
+const MAX_SOCKET_PATH: usize = 107;
+/// Bound on a single QMP exchange.
+const QMP_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a booting VM may take to report `running` over QMP.
+const START_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long saving or loading a checkpoint may take.
+const MIGRATE_TIMEOUT: Duration = Duration::from_secs(300);
+/// Grace after `quit` before the process group gets SIGKILL.
+const QUIT_GRACE: Duration = Duration::from_secs(3);
+
+/// How guest instructions run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Accel {
+    /// Hardware virtualization: the VM is an isolation boundary.
+    Kvm,
+    /// QEMU's software emulation: slower, and **not** a security boundary.
+    Tcg,
+}
+
+impl Accel {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Accel::Kvm => "kvm",
+            Accel::Tcg => "tcg",
+        }
+    }
+
+    /// KVM when it can run a standard guest, TCG otherwise.
+    pub fn detect() -> Accel {
+        match kvm_usable() {
+            Ok(()) => Accel::Kvm,
+            Err(_) => Accel::Tcg,
+        }
+    }
+}
+
+impl std::fmt::Display for Accel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The `accel` setting: detect, or force one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AccelChoice {
+    #[default]
+    Auto,
+    Kvm,
+    Tcg,
+}
+
+impl std::str::FromStr for AccelChoice {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(AccelChoice::Auto),
+            "kvm" => Ok(AccelChoice::Kvm),
+            "tcg" => Ok(AccelChoice::Tcg),
+            other => Err(format!("accel must be auto, kvm or tcg, not {other:?}")),
+        }
+    }
+}
+
+/// Why KVM cannot run our guests here, if it cannot: /dev/kvm must open read-write and speak
+/// API version 12, and must not be nested PVM (`kvm_pvm`), which cannot run a standard guest.
+pub fn kvm_usable() -> Result<(), String> {
+    use std::os::fd::AsRawFd;
+    if Path::new("/sys/module/kvm_pvm").exists() {
+        return Err(
+            "/dev/kvm is nested PVM (kvm_pvm is loaded), which cannot run a standard guest".into(),
+        );
+    }
+    let kvm = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/kvm")
+        .map_err(|e| format!("cannot open /dev/kvm read-write: {e}"))?;
+    const KVM_GET_API_VERSION: libc::c_ulong = 0xAE00;
+    // SAFETY: an argument-less ioctl on a descriptor we own.
+    let version = unsafe { libc::ioctl(kvm.as_raw_fd(), KVM_GET_API_VERSION, 0) };
+    if version != 12 {
+        return Err(format!("/dev/kvm answers API version {version}, not 12"));
+    }
+    Ok(())
+}
+
+/// Settings of the microVM driver.
+#[derive(Debug, Clone)]
+pub struct MicrovmConfig {
+    /// `qemu-system-x86_64`.
+    pub qemu: PathBuf,
+    /// `qemu-img`.
+    pub qemu_img: PathBuf,
+    /// Holds `vmlinuz`, `initramfs.cpio.gz` and `VERSION`.
+    pub guest_dir: PathBuf,
+    /// Cache of template disk images and initramfs-with-agent files (driver-owned).
+    pub images_dir: PathBuf,
+    /// Driver-owned directory of per-sandbox markers.
+    pub state_root: PathBuf,
+    pub accel: AccelChoice,
+}
+
+impl MicrovmConfig {
+    /// Defaults: the tools from `PATH`, caches under `dir`, the accelerator detected.
+    pub fn new(guest_dir: impl Into<PathBuf>, dir: impl Into<PathBuf>) -> Self {
+        let dir = dir.into();
+        MicrovmConfig {
+            qemu: "qemu-system-x86_64".into(),
+            qemu_img: "qemu-img".into(),
+            guest_dir: guest_dir.into(),
+            images_dir: dir.join("images"),
+            state_root: dir.join("vms"),
+            accel: AccelChoice::Auto,
+        }
+    }
+}
+
+/// The `microvm` runtime.
+#[derive(Debug, Clone)]
+pub struct MicrovmRuntime {
+    cfg: MicrovmConfig,
+    accel: Accel,
+    /// Extra kernel arguments for TCG: the TSC's frequency (the host's, which TCG passes
+    /// through), without which the guest cannot calibrate its clock and hangs at boot.
+    tcg_cmdline: String,
+}
+
+impl MicrovmRuntime {
+    /// Checks the guest files and the accelerator; forcing `kvm` where it is unusable fails.
+    pub fn new(cfg: MicrovmConfig) -> Result<Self, RuntimeError> {
+        let accel = match cfg.accel {
+            AccelChoice::Auto => Accel::detect(),
+            AccelChoice::Tcg => Accel::Tcg,
+            AccelChoice::Kvm => {
+                kvm_usable()
+                    .map_err(|why| RuntimeError::Unsupported(format!("accel=kvm: {why}")))?;
+                Accel::Kvm
+            }
+        };
+        for file in [GUEST_KERNEL, GUEST_INITRAMFS, GUEST_VERSION] {
+            let path = cfg.guest_dir.join(file);
+            if !path.is_file() {
+                return Err(RuntimeError::Unsupported(format!(
+                    "microVM guest file {} is missing (run scripts/build-guest.sh)",
+                    path.display()
+                )));
+            }
+        }
+        for dir in [&cfg.images_dir, &cfg.state_root] {
+            std::fs::create_dir_all(dir)
+                .map_err(|e| RuntimeError::io(format!("creating {}", dir.display()), e))?;
+        }
+        let tcg_cmdline = host_tsc_khz()
+            .map(|khz| format!(" tsc_early_khz={khz} tsc=reliable"))
+            .unwrap_or_default();
+        if accel == Accel::Tcg {
+            tracing::warn!(
+                "WARNING: the microvm runtime uses TCG (software emulation): TCG is not a security boundary"
+            );
+        }
+        Ok(MicrovmRuntime {
+            cfg,
+            accel,
+            tcg_cmdline,
+        })
+    }
+
+    /// The accelerator every VM of this driver uses.
+    pub fn accel(&self) -> Accel {
+        self.accel
+    }
+
+    pub fn config(&self) -> &MicrovmConfig {
+        &self.cfg
+    }
+
+    fn marker(&self, id: &str) -> Result<PathBuf, RuntimeError> {
+        check_id(id)?;
+        Ok(self.cfg.state_root.join(id))
+    }
+
+    /// The state directory of a sandbox this driver knows.
+    fn state_dir_of(&self, id: &str) -> Result<Option<PathBuf>, RuntimeError> {
+        match std::fs::read_link(self.marker(id)?) {
+            Ok(p) => Ok(Some(p)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(RuntimeError::io(format!("reading the marker of {id}"), e)),
+        }
+    }
+
+    fn set_marker(&self, id: &str, state_dir: &Path) -> Result<(), RuntimeError> {
+        let marker = self.marker(id)?;
+        if std::fs::read_link(&marker).ok().as_deref() == Some(state_dir) {
+            return Ok(());
+        }
+        let tmp = marker.with_file_name(format!(".{id}.tmp"));
+        let _ = std::fs::remove_file(&tmp);
+        std::os::unix::fs::symlink(state_dir, &tmp)
+            .and_then(|()| std::fs::rename(&tmp, &marker))
+            .map_err(|e| RuntimeError::io(format!("writing the marker of {id}"), e))
+    }
+
+    /// QMP session with the VM of `id`, which must be running.
+    async fn qmp(&self, id: &str) -> Result<Qmp, RuntimeError> {
+        let Some(dir) = self.state_dir_of(id)? else {
+            return Err(RuntimeError::Tool {
+                tool: "qemu".into(),
+                message: format!("no microVM {id}"),
+            });
+        };
+        Qmp::connect(&dir.join(QMP_SOCKET), QMP_TIMEOUT)
+            .await
+            .map_err(|e| qmp_failed(id, e))
+    }
+
+    /// Boots (or, with `incoming`, restores) the VM described by `state_dir/launch.json`,
+    /// and returns once QEMU is up and QMP answers.
+    async fn launch(
+        &self,
+        id: &str,
+        state_dir: &Path,
+        incoming: Option<&Path>,
+    ) -> Result<Qmp, RuntimeError> {
+        let launch = std::fs::read(state_dir.join(LAUNCH_FILE))
+            .map_err(|e| RuntimeError::io("reading launch.json", e))?;
+        let mut args: Vec<OsString> = serde_json::from_slice::<Vec<String>>(&launch)
+            .map_err(|e| RuntimeError::Tool {
+                tool: "qemu".into(),
+                message: format!("unreadable launch.json: {e}"),
+            })?
+            .into_iter()
+            .map(OsString::from)
+            .collect();
+        if let Some(memory) = incoming {
+            check_qemu_path(memory)?;
+            // The agent's port starts off the host (a socket nobody listens on); `restore`
+            // connects it once the guest has seen the host go. See [`Self::reattach_agent`].
+            let detached = state_dir.join(DETACHED_SOCKET);
+            check_socket_path(&detached)?;
+            for a in args.iter_mut() {
+                if a.to_string_lossy().starts_with(AGENT_CHARDEV_PREFIX) {
+                    *a = agent_chardev(&detached).into();
+                }
+            }
+            // Stay stopped after the load: the driver says `cont` once it is complete.
+            args.push("-S".into());
+            args.push("-incoming".into());
+            args.push(format!("file:{}", memory.display()).into());
+        }
+        for stale in [PID_FILE, QMP_SOCKET] {
+            let _ = std::fs::remove_file(state_dir.join(stale));
+        }
+        let log_path = state_dir.join(QEMU_LOG);
+        let log = std::fs::File::create(&log_path)
+            .map_err(|e| RuntimeError::io("creating qemu.log", e))?;
+        let log_err = log
+            .try_clone()
+            .map_err(|e| RuntimeError::io("creating qemu.log", e))?;
+        // Its own process group: it outlives the server, and no signal to the server's
+        // group reaches it. Not -daemonize: that needs fork after seccomp is on.
+        let mut child = Command::new(&self.cfg.qemu)
+            .args(&args)
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(log_err)
+            .process_group(0)
+            .kill_on_drop(false)
+            .spawn()
+            .map_err(|e| RuntimeError::io(format!("running {}", self.cfg.qemu.display()), e))?;
+        let qmp_socket = state_dir.join(QMP_SOCKET);
+        let start = Instant::now();
+        let mut delay = Duration::from_millis(2);
+        let qmp = loop {
+            if let Some(status) = child
+                .try_wait()
+                .map_err(|e| RuntimeError::io("waiting for qemu", e))?
+            {
+                let log = tail_text(&std::fs::read(&log_path).unwrap_or_default(), 1000);
+                return Err(RuntimeError::Tool {
+                    tool: "qemu".into(),
+                    message: if log.is_empty() {
+                        format!("microVM {id}: QEMU exited with {status}")
+                    } else {
+                        format!("microVM {id}: {log}")
+                    },
+                });
+            }
+            if qmp_socket.exists() {
+                if let Ok(qmp) = Qmp::connect(&qmp_socket, QMP_TIMEOUT).await {
+                    break qmp;
+                }
+            }
+            if start.elapsed() > START_TIMEOUT {
+                let _ = child.start_kill();
+                return Err(RuntimeError::Tool {
+                    tool: "qemu".into(),
+                    message: format!("microVM {id}: no QMP socket after {START_TIMEOUT:?}"),
+                });
+            }
+            tokio::time::sleep(delay).await;
+            delay = (delay * 2).min(Duration::from_millis(50));
+        };
+        // Reap it when it exits, while this server runs (init does after a restart).
+        tokio::spawn(async move {
+            let _ = child.wait().await;
+        });
+        Ok(qmp)
+    }
+
+    /// Waits until QEMU reports one of `want`; fails if the VM stops existing or does not get
+    /// there in `timeout`.
+    async fn wait_status(
+        &self,
+        id: &str,
+        qmp: &mut Qmp,
+        want: &[&str],
+        timeout: Duration,
+    ) -> Result<String, RuntimeError> {
+        let start = Instant::now();
+        let mut delay = Duration::from_millis(5);
+        loop {
+            let status = query_status(qmp).await.map_err(|e| qmp_failed(id, e))?;
+            if want.contains(&status.as_str()) {
+                return Ok(status);
+            }
+            if matches!(
+                status.as_str(),
+                "shutdown" | "internal-error" | "guest-panicked" | "io-error"
+            ) {
+                return Err(RuntimeError::Tool {
+                    tool: "qemu".into(),
+                    message: format!("microVM {id} is {status}"),
+                });
+            }
+            if start.elapsed() > timeout {
+                return Err(RuntimeError::Tool {
+                    tool: "qemu".into(),
+                    message: format!("microVM {id} still {status} after {timeout:?}"),
+                });
+            }
+            tokio::time::sleep(delay).await;
+            delay = (delay * 2).min(Duration::from_millis(100));
+        }
+    }
+
+    /// The QEMU argument list of a sandbox.
+    fn qemu_args(
+        &self,
+        spec: &SandboxSpec,
+        token: &str,
+        initramfs: &Path,
+    ) -> Result<Vec<String>, RuntimeError> {
+        let state = &spec.state_dir;
+        let agent_socket = spec.run_dir.join(AGENT_SOCKET);
+        let qmp_socket = state.join(QMP_SOCKET);
+        for socket in [&agent_socket, &qmp_socket] {
+            check_socket_path(socket)?;
+        }
+        let kernel = self.cfg.guest_dir.join(GUEST_KERNEL);
+        let disk = state.join(DISK_FILE);
+        for path in [
+            &kernel,
+            initramfs,
+            &disk,
+            &agent_socket,
+            &qmp_socket,
+            &state.join(CONSOLE_LOG),
+        ] {
+            check_qemu_path(path)?;
+        }
+        for (what, value) in [
+            ("id", spec.id.as_str()),
+            ("token", token),
+            ("hostname", spec.hostname.as_str()),
+        ] {
+            if value.is_empty()
+                || value.len() > 255
+                || !value
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
+            {
+                return Err(RuntimeError::Unsupported(format!(
+                    "the sandbox's {what} cannot go on a kernel command line"
+                )));
+            }
+        }
+        let vcpus = spec.vcpus.max(1);
+        let memory = if spec.memory_mib == 0 {
+            DEFAULT_MEMORY_MIB
+        } else {
+            spec.memory_mib
+        };
+        let mut cmdline = format!(
+            "console=ttyS0 quiet panic=-1 space.id={} space.token={token} space.pids={} space.disk=1 space.hostname={}",
+            spec.id, spec.pids, spec.hostname
+        );
+        let (accel, cpu) = match self.accel {
+            Accel::Kvm => ("kvm".to_owned(), "host"),
+            Accel::Tcg => {
+                cmdline.push_str(&self.tcg_cmdline);
+                // One thread per vCPU (MTTCG) only pays with more than one vCPU.
+                let thread = if vcpus > 1 { "multi" } else { "single" };
+                (format!("tcg,thread={thread}"), "max")
+            }
+        };
+        let p = |p: &Path| p.display().to_string();
+        let mut args: Vec<String> = vec![
+            "-name".into(),
+            format!("space-{}", spec.id),
+            "-M".into(),
+            "microvm".into(),
+            "-accel".into(),
+            accel,
+            "-cpu".into(),
+            cpu.into(),
+            "-m".into(),
+            format!("{memory}M"),
+            "-smp".into(),
+            vcpus.to_string(),
+            "-nodefaults".into(),
+            "-no-user-config".into(),
+            "-display".into(),
+            "none".into(),
+            "-no-reboot".into(),
+            "-pidfile".into(),
+            p(&state.join(PID_FILE)),
+            "-qmp".into(),
+            format!("unix:{},server=on,wait=off", p(&qmp_socket)),
+            // Appended to, so a restore keeps what the boot printed.
+            "-chardev".into(),
+            format!(
+                "file,id=console,path={},append=on",
+                p(&state.join(CONSOLE_LOG))
+            ),
+            "-serial".into(),
+            "chardev:console".into(),
+            "-kernel".into(),
+            p(&kernel),
+            "-initrd".into(),
+            p(initramfs),
+            "-append".into(),
+            cmdline,
+            "-drive".into(),
+            format!(
+                "id=root,file={},format=qcow2,if=none,discard=unmap",
+                p(&disk)
+            ),
+            "-device".into(),
+            "virtio-blk-device,drive=root".into(),
+            "-device".into(),
+            "virtio-serial-device".into(),
+            "-chardev".into(),
+            agent_chardev(&agent_socket),
+            "-device".into(),
+            format!("virtserialport,chardev=agent,name=space.agent,id={AGENT_PORT_ID}"),
+        ];
+        // Seccomp: no new privileges, no spawning (a checkpoint writes to a file: no `exec:`).
+        args.extend([
+            "-sandbox".into(),
+            "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny".into(),
+        ]);
+        Ok(args)
+    }
+
+    /// Ends the VM of `state_dir` if it runs: `quit` over QMP, then SIGKILL to its process
+    /// group after a grace period. Leaves the disk and launch.json.
+    async fn kill_vm(&self, id: &str, state_dir: &Path) -> Result<(), RuntimeError> {
+        if let Some(pid) = qemu_pid(state_dir) {
+            let qmp_socket = state_dir.join(QMP_SOCKET);
+            if let Ok(mut qmp) = Qmp::connect(&qmp_socket, Duration::from_secs(2)).await {
+                // QEMU may close the connection before it answers.
+                let _ = qmp.execute("quit", None).await;
+            }
+            wait_gone(id, pid, state_dir).await?;
+        }
+        for stale in [PID_FILE, QMP_SOCKET] {
+            let _ = std::fs::remove_file(state_dir.join(stale));
+        }
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl Runtime for MicrovmRuntime {
+    fn name(&self) -> &'static str {
+        "microvm"
+    }
+
+    async fn create(&self, spec: &SandboxSpec) -> Result<(), RuntimeError> {
+        let state = &spec.state_dir;
+        check_id(&spec.id)?;
+        check_socket_path(&spec.run_dir.join(AGENT_SOCKET))?;
+        check_socket_path(&state.join(QMP_SOCKET))?;
+        tokio::fs::create_dir_all(state)
+            .await
+            .map_err(|e| RuntimeError::io(format!("creating {}", state.display()), e))?;
+        let token_path = spec.run_dir.join("token");
+        let token = std::fs::read_to_string(&token_path)
+            .map_err(|e| RuntimeError::io(format!("reading {}", token_path.display()), e))?
+            .trim()
+            .to_owned();
+        let agent = spec.agent_dir.join("space-agent");
+        let base = image::rootfs_image(&self.cfg.images_dir, &spec.rootfs).await?;
+        let initramfs = image::initramfs(&self.cfg.images_dir, &self.cfg.guest_dir, &agent).await?;
+        let base_mib = std::fs::metadata(&base)
+            .map_err(|e| RuntimeError::io(format!("reading {}", base.display()), e))?
+            .len()
+            .div_ceil(1 << 20);
+        let disk_mib = if spec.disk_mib == 0 {
+            DEFAULT_DISK_MIB
+        } else {
+            spec.disk_mib
+        };
+        let args = self.qemu_args(spec, &token, &initramfs)?;
+        check_qemu_path(&base)?;
+        let disk = state.join(DISK_FILE);
+        if !disk.exists() {
+            image::overlay(&self.cfg.qemu_img, &base, &disk, base_mib + disk_mib).await?;
+        }
+        write_private(
+            &state.join(LAUNCH_FILE),
+            &serde_json::to_vec(&args).unwrap_or_default(),
+        )?;
+        self.set_marker(&spec.id, state)?;
+        let started = async {
+            let mut qmp = self.launch(&spec.id, state, None).await?;
+            self.wait_status(&spec.id, &mut qmp, &["running"], START_TIMEOUT)
+                .await
+        }
+        .await;
+        if let Err(e) = started {
+            // Nothing of a failed boot keeps running.
+            let _ = self.kill_vm(&spec.id, state).await;
+            return Err(e);
+        }
+        tracing::info!(sandbox = %spec.id, accel = %self.accel, "microVM started");
+        Ok(())
+    }
+
+    async fn pause(&self, id: &str) -> Result<(), RuntimeError> {
+        let mut qmp = self.qmp(id).await?;
+        qmp.execute("stop", None)
+            .await
+            .map_err(|e| qmp_failed(id, e))?;
+        Ok(())
+    }
+
+    async fn resume(&self, id: &str) -> Result<(), RuntimeError> {
+        let mut qmp = self.qmp(id).await?;
+        qmp.execute("cont", None)
+            .await
+            .map_err(|e| qmp_failed(id, e))?;
+        Ok(())
+    }
+
+    async fn stop(&self, id: &str, state_dir: &Path) -> Result<(), RuntimeError> {
+        check_id(id)?;
+        self.kill_vm(id, state_dir).await
+    }
+
+    async fn destroy(&self, id: &str, state_dir: &Path) -> Result<(), RuntimeError> {
+        self.stop(id, state_dir).await?;
+        match tokio::fs::remove_dir_all(state_dir).await {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => {
+                return Err(RuntimeError::io(
+                    format!("removing {}", state_dir.display()),
+                    e,
+                ));
+            }
+        }
+        match std::fs::remove_file(self.marker(id)?) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(RuntimeError::io(format!("removing the marker of {id}"), e)),
+        }
+    }
+
+    async fn status(&self, id: &str) -> Result<RuntimeStatus, RuntimeError> {
+        let Some(dir) = self.state_dir_of(id)? else {
+            return Ok(RuntimeStatus::Missing);
+        };
+        if qemu_pid(&dir).is_none() {
+            // A pid file that outlived its QEMU: it died without cleaning up.
+            return Ok(if dir.join(PID_FILE).exists() {
+                RuntimeStatus::Stopped
+            } else {
+                RuntimeStatus::Missing
+            });
+        }
+        let mut qmp = Qmp::connect(&dir.join(QMP_SOCKET), QMP_TIMEOUT)
+            .await
+            .map_err(|e| qmp_failed(id, e))?;
+        let status = query_status(&mut qmp)
+            .await
+            .map_err(|e| qmp_failed(id, e))?;
+        Ok(match status.as_str() {
+            "running" => RuntimeStatus::Running,
+            "paused" | "inmigrate" | "postmigrate" | "prelaunch" | "finish-migrate"
+            | "suspended" | "save-vm" | "restore-vm" | "debug" | "colo" => RuntimeStatus::Paused,
+            _ => RuntimeStatus::Stopped,
+        })
+    }
+
+    async fn list(&self) -> Result<Vec<String>, RuntimeError> {
+        let entries = match std::fs::read_dir(&self.cfg.state_root) {
+            Ok(e) => e,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) => return Err(RuntimeError::io("listing microVMs", e)),
+        };
+        let mut ids = Vec::new();
+        for e in entries.flatten() {
+            let Some(id) = e.file_name().to_str().map(str::to_owned) else {
+                continue;
+            };
+            if id.starts_with('.') {
+                continue;
+            }
+            if let Ok(dir) = std::fs::read_link(e.path()) {
+                if qemu_pid(&dir).is_some() {
+                    ids.push(id);
+                }
+            }
+        }
+        ids.sort();
+        Ok(ids)
+    }
+
+    async fn checkpoint(
+        &self,
+        id: &str,
+        state_dir: &Path,
+        image_dir: &Path,
+    ) -> Result<(), RuntimeError> {
+        tokio::fs::create_dir_all(image_dir)
+            .await
+            .map_err(|e| RuntimeError::io(format!("creating {}", image_dir.display()), e))?;
+        let memory = image_dir.join(MEMORY_FILE);
+        let tmp = image_dir.join(format!("{MEMORY_FILE}.tmp"));
+        check_qemu_path(&tmp)?;
+        let _ = std::fs::remove_file(&tmp);
+        let mut qmp = self.qmp(id).await?;
+        let saved = async {
+            qmp.execute("stop", None).await?;
+            // The default bandwidth cap (128 MiB/s) is for live migration over a network.
+            qmp.execute(
+                "migrate-set-parameters",
+                Some(json!({"max-bandwidth": 64u64 << 30})),
+            )
+            .await?;
+            qmp.execute(
+                "migrate",
+                Some(json!({"uri": format!("file:{}", tmp.display())})),
+            )
+            .await?;
+            wait_migration(&mut qmp, "saving").await
+        }
+        .await;
+        if let Err(e) = saved {
+            let _ = std::fs::remove_file(&tmp);
+            // The VM is whole still; leave it paused as the service may resume it.
+            return Err(qmp_failed(id, e));
+        }
+        let synced = std::fs::File::open(&tmp).and_then(|f| f.sync_all());
+        synced
+            .and_then(|()| std::fs::rename(&tmp, &memory))
+            .map_err(|e| RuntimeError::io("finishing the memory file", e))?;
+        // The memory is safe on disk: end QEMU (the disk stays in state_dir).
+        let _ = qmp.execute("quit", None).await;
+        drop(qmp);
+        self.kill_vm(id, state_dir).await
+    }
+
+    async fn restore(
+        &self,
+        id: &str,
+        state_dir: &Path,
+        image_dir: &Path,
+    ) -> Result<(), RuntimeError> {
+        let memory = image_dir.join(MEMORY_FILE);
+        if !memory.is_file() {
+            return Err(RuntimeError::Tool {
+                tool: "qemu".into(),
+                message: format!("no checkpoint in {}", image_dir.display()),
+            });
+        }
+        // A VM left over from a failed attempt would hold the disk.
+        self.kill_vm(id, state_dir).await?;
+        self.set_marker(id, state_dir)?;
+        let restored = async {
+            let mut qmp = self.launch(id, state_dir, Some(&memory)).await?;
+            let agent_socket = agent_socket_of(state_dir)?;
+            let loaded = async {
+                wait_migration(&mut qmp, "loading").await?;
+                qmp.execute("cont", None).await?;
+                reattach_agent(&mut qmp, &agent_socket).await
+            }
+            .await;
+            loaded.map_err(|e| qmp_failed(id, e))?;
+            self.wait_status(id, &mut qmp, &["running"], START_TIMEOUT)
+                .await
+        }
+        .await;
+        if let Err(e) = restored {
+            let _ = self.kill_vm(id, state_dir).await;
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    fn resident_bytes(&self, _id: &str, state_dir: &Path) -> Option<u64> {
+        qemu_pid(state_dir).and_then(crate::gvisor::vm_rss)
+    }
+
+    fn disk_bytes(&self, _id: &str, state_dir: &Path) -> Option<u64> {
+        crate::disk::image_bytes(&state_dir.join(DISK_FILE))
+    }
+}
+
+/// The `-chardev` of the agent's port: a client of the host's socket that redials.
+fn agent_chardev(socket: &Path) -> String {
+    format!(
+        "{AGENT_CHARDEV_PREFIX}path={},reconnect-ms={AGENT_RECONNECT_MS}",
+        socket.display()
+    )
+}
+
+/// The host's agent socket a sandbox was launched with (from launch.json).
+fn agent_socket_of(state_dir: &Path) -> Result<String, RuntimeError> {
+    let launch = std::fs::read(state_dir.join(LAUNCH_FILE))
+        .map_err(|e| RuntimeError::io("reading launch.json", e))?;
+    let args: Vec<String> = serde_json::from_slice(&launch).unwrap_or_default();
+    args.iter()
+        .find_map(|a| a.strip_prefix(AGENT_CHARDEV_PREFIX))
+        .and_then(|rest| rest.strip_prefix("path="))
+        .and_then(|rest| rest.split(',').next())
+        .map(str::to_owned)
+        .ok_or_else(|| RuntimeError::Tool {
+            tool: "qemu".into(),
+            message: "launch.json has no agent chardev".into(),
+        })
+}
+
+/// Connects a restored guest's agent port to the host so that its agent starts afresh.
+///
+/// The snapshot remembers the host as connected, and the guest's agent is in the middle of
+/// its old session. A restored VM starts with the port off the host, so after `cont` the
+/// guest is told the host went away (virtio-serial's port-open control event) and its agent
+/// hangs up: it closes the port. Only then is the port connected to the host's socket; the
+/// agent sees the host come back and says hello, as after a restart of the server.
+/// Connecting at once would race: the guest could see "gone" and "back" in one batch and
+/// carry its old session on to the new connection.
+///
+/// The close shows as the port's `frontend-open` going false, or, when the agent reopens
+/// the port faster than we poll, as a second `VSERPORT_CHANGE` event: QEMU replays the
+/// guest's open after the load (the first), and rate-limits the events of a port to one a
+/// second, keeping the latest, so a close and a reopen arrive as one more event a second on.
+async fn reattach_agent(qmp: &mut Qmp, socket: &str) -> Result<(), QmpError> {
+    let is_port_change = |e: &Value| {
+        e.get("event").and_then(Value::as_str) == Some("VSERPORT_CHANGE")
+            && e["data"]["id"] == AGENT_PORT_ID
+    };
+    let start = Instant::now();
+    let mut changes = 0;
+    loop {
+        let chardevs = qmp.execute("query-chardev", None).await?;
+        let open = chardevs.as_array().is_some_and(|list| {
+            list.iter().any(|c| {
+                c.get("label").and_then(Value::as_str) == Some("agent")
+                    && c.get("frontend-open").and_then(Value::as_bool) == Some(true)
+            })
+        });
+        changes += qmp.take_events(is_port_change);
+        if !open || changes >= 2 {
+            break;
+        }
+        if start.elapsed() > AGENT_HANGUP_TIMEOUT {
+            tracing::warn!("a restored guest kept its agent port open; connecting it anyway");
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    attach_agent(qmp, socket).await
+}
+
+/// Points the agent's port at `socket` (QEMU drops the old connection and dials the new).
+async fn attach_agent(qmp: &mut Qmp, socket: &str) -> Result<(), QmpError> {
+    qmp.execute(
+        "chardev-change",
+        Some(json!({
+            "id": "agent",
+            "backend": {"type": "socket", "data": {
+                "addr": {"type": "unix", "data": {"path": socket}},
+                "server": false,
+                "reconnect-ms": AGENT_RECONNECT_MS,
+            }},
+        })),
+    )
+    .await
+    .map(|_| ())
+}
+
+/// `query-status`'s `status`.
+async fn query_status(qmp: &mut Qmp) -> Result<String, QmpError> {
+    let ret = qmp.execute("query-status", None).await?;
+    Ok(ret
+        .get("status")
+        .and_then(Value::as_str)
+        .unwrap_or("unknown")
+        .chars()
+        .take(64)
+        .collect())
+}
+
+/// Polls `query-migrate` until the migration (outgoing or incoming) completed.
+async fn wait_migration(qmp: &mut Qmp, what: &str) -> Result<(), QmpError> {
+    let start = Instant::now();
+    let mut delay = Duration::from_millis(2);
+    loop {
+        let ret = qmp.execute("query-migrate", None).await?;
+        match ret.get("status").and_then(Value::as_str) {
+            Some("completed") => return Ok(()),
+            Some(s @ ("failed" | "cancelled" | "cancelling")) => {
+                let desc = ret
+                    .get("error-desc")
+                    .and_then(Value::as_str)
+                    .unwrap_or("no reason given");
+                return Err(QmpError::Command {
+                    command: "migrate".into(),
+                    class: s.to_owned(),
+                    desc: format!(
+                        "{what} the checkpoint: {}",
+                        desc.chars().take(500).collect::<String>()
+                    ),
+                });
+            }
+            _ => {}
+        }
+        if start.elapsed() > MIGRATE_TIMEOUT {
+            return Err(QmpError::Timeout(MIGRATE_TIMEOUT));
+        }
+        tokio::time::sleep(delay).await;
+        delay = (delay * 2).min(Duration::from_millis(50));
+    }
+}
+
+/// The pid of the QEMU of `state_dir` if it is alive. The pid file alone is not trusted (a
+/// pid is reused after a crash): the process must be QEMU started with this very pid file.
+fn qemu_pid(state_dir: &Path) -> Option<i32> {
+    let pid_file = state_dir.join(PID_FILE);
+    let pid: i32 = std::fs::read_to_string(&pid_file)
+        .ok()?
+        .trim()
+        .parse()
+        .ok()?;
+    if pid <= 0 {
+        return None;
+    }
+    is_our_qemu(pid, &pid_file).then_some(pid)
+}
+
+fn is_our_qemu(pid: i32, pid_file: &Path) -> bool {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return false;
+    };
+    // A zombie is gone for our purposes.
+    let state = stat
+        .rfind(')')
+        .and_then(|i| stat[i + 1..].split_whitespace().next());
+    if matches!(state, Some("Z" | "X")) {
+        return false;
+    }
+    let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+        return false;
+    };
+    let want = pid_file.as_os_str().as_encoded_bytes();
+    let mut args = cmdline.split(|b| *b == 0);
+    let mut prev_was_flag = false;
+    args.any(|a| {
+        let hit = prev_was_flag && a == want;
+        prev_was_flag = a == b"-pidfile";
+        hit
+    })
+}
+
+/// Waits until QEMU `pid` is gone; SIGKILLs its process group after [`QUIT_GRACE`].
+async fn wait_gone(id: &str, pid: i32, state_dir: &Path) -> Result<(), RuntimeError> {
+    let pid_file = state_dir.join(PID_FILE);
+    let start = Instant::now();
+    let mut delay = Duration::from_millis(2);
+    let mut killed = false;
+    while is_our_qemu(pid, &pid_file) {
+        if !killed && start.elapsed() > QUIT_GRACE {
+            // SAFETY: plain syscalls; the pid was checked to be our QEMU just now.
+            unsafe {
+                let pgid = libc::getpgid(pid);
+                if pgid > 1 {
+                    libc::kill(-pgid, libc::SIGKILL);
+                }
+                libc::kill(pid, libc::SIGKILL);
+            }
+            killed = true;
+        }
+        if start.elapsed() > QUIT_GRACE + Duration::from_secs(10) {
+            return Err(RuntimeError::Tool {
+                tool: "qemu".into(),
+                message: format!("QEMU {pid} of microVM {id} did not exit"),
+            });
+        }
+        tokio::time::sleep(delay).await;
+        delay = (delay * 2).min(Duration::from_millis(50));
+    }
+    Ok(())
+}
+
+/// The host's TSC frequency in kHz (TCG guests see the host's TSC), if the host says.
+fn host_tsc_khz() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/cpuinfo").ok()?;
+    if !info.contains(" constant_tsc") {
+        return None;
+    }
+    let mhz: f64 = info
+        .lines()
+        .find(|l| l.starts_with("cpu MHz"))?
+        .split(':')
+        .nth(1)?
+        .trim()
+        .parse()
+        .ok()?;
+    let khz = (mhz * 1000.0).round();
+    (100_000.0..100_000_000.0).contains(&khz).then_some(khz as u64)
+}
+
+/// Sandbox ids name files of the driver: plain names only.
+fn check_id(id: &str) -> Result<(), RuntimeError> {
+    if id.is_empty()
+        || id.len() > 64
+        || id.starts_with('.')
+        || !id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
+    {
+        return Err(RuntimeError::Unsupported(format!(
+            "invalid sandbox id {id:?}"
+        )));
+    }
+    Ok(())
+}
+
+/// A Unix socket path must fit `sun_path`.
+fn check_socket_path(path: &Path) -> Result<(), RuntimeError> {
+    let len = path.as_os_str().len();
+    if len > MAX_SOCKET_PATH {
+        return Err(RuntimeError::Unsupported(format!(
+            "socket path {} is {len} bytes, more than the {MAX_SOCKET_PATH} a Unix socket allows; use a shorter data directory",
+            path.display()
+        )));
+    }
+    Ok(())
+}
+
+/// Paths go into QEMU option strings, where `,` separates options: refuse what would be
+/// misparsed rather than escape it.
+fn check_qemu_path(path: &Path) -> Result<(), RuntimeError> {
+    let s = path.to_str().ok_or_else(|| {
+        RuntimeError::Unsupported(format!("path {} is not UTF-8", path.display()))
+    })?;
+    if !path.is_absolute() || s.bytes().any(|b| b == b',' || b.is_ascii_control()) {
+        return Err(RuntimeError::Unsupported(format!(
+            "path {s:?} cannot be passed to QEMU (relative, or has ',' or control characters)"
+        )));
+    }
+    Ok(())
+}
+
+fn write_private(path: &Path, bytes: &[u8]) -> Result<(), RuntimeError> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let tmp = path.with_extension("tmp");
+    let written = std::fs::OpenOptions::new()
+        .create(true)
+        .write(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&tmp)
+        .and_then(|mut f| {
+            f.set_permissions(std::fs::Permissions::from_mode(0o600))?;
+            f.write_all(bytes)?;
+            f.sync_all()
+        })
+        .and_then(|()| std::fs::rename(&tmp, path));
+    written.map_err(|e| RuntimeError::io(format!("writing {}", path.display()), e))
+}
+
+fn qmp_failed(id: &str, e: QmpError) -> RuntimeError {
+    RuntimeError::Tool {
+        tool: "qemu qmp".into(),
+        message: format!("microVM {id}: {e}"),
+    }
+}
+
+/// The last `max` bytes of a tool's output as trimmed text.
+fn tail_text(bytes: &[u8], max: usize) -> String {
+    let start = bytes.len().saturating_sub(max);
+    String::from_utf8_lossy(&bytes[start..]).trim().to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn accel_choice_parses() {
+        assert_eq!("auto".parse::<AccelChoice>(), Ok(AccelChoice::Auto));
+        assert_eq!("tcg".parse::<AccelChoice>(), Ok(AccelChoice::Tcg));
+        assert!("hvf".parse::<AccelChoice>().is_err());
+    }
+
+    #[test]
+    fn paths_qemu_would_misparse_are_refused() {
+        assert!(check_qemu_path(Path::new("/a/b.qcow2")).is_ok());
+        assert!(check_qemu_path(Path::new("/a,b")).is_err());
+        assert!(check_qemu_path(Path::new("rel")).is_err());
+        assert!(check_socket_path(&Path::new("/").join("x".repeat(120))).is_err());
+        assert!(check_id("sb_1").is_ok());
+        assert!(check_id("../x").is_err());
+        assert!(check_id(".x").is_err());
+    }
+}

@@ -1,0 +1,276 @@
+//! Disk images of the microVM driver: one ext4 image per template rootfs (made once, cached,
+//! shared read-only by every sandbox as the backing file of its qcow2 overlay), the overlay
+//! itself, and the guest's initramfs with the agent appended (cached per agent binary).
+//!
+//! Cache entries are made under an flock(2) in a temporary file and renamed into place, so a
+//! reader sees a whole image or none, and two servers sharing the cache build each once.
+//! Entries are never changed once made (their key names everything they were made from).
+
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+
+use sha2::{Digest, Sha256};
+use space_core::runtime::RuntimeError;
+use tokio::process::Command;
+
+/// Room added to a template's size for the image: filesystem metadata and the journal.
+const IMAGE_SLACK_MIB: u64 = 64;
+/// Bytes per inode in a fresh image (mke2fs's default for ordinary filesystems).
+const BYTES_PER_INODE: u64 = 16 * 1024;
+
+/// Makes (once) the ext4 image of a template's root directory and returns its path.
+pub async fn rootfs_image(images_dir: &Path, rootfs: &Path) -> Result<PathBuf, RuntimeError> {
+    let key = rootfs_key(rootfs)?;
+    let image = images_dir.join(format!("rootfs-{key}.ext4"));
+    if image.is_file() {
+        return Ok(image);
+    }
+    let _lock = lock(&images_dir.join(format!(".rootfs-{key}.lock"))).await?;
+    if image.is_file() {
+        return Ok(image);
+    }
+    let root = rootfs.to_path_buf();
+    let (bytes, inodes) = tokio::task::spawn_blocking(move || tree_usage(&root))
+        .await
+        .map_err(|e| RuntimeError::io("measuring the template", std::io::Error::other(e)))?;
+    let mib = image_mib(bytes);
+    // Enough inodes for the template and for what sandboxes add; resize2fs in the guest
+    // keeps the per-group ratio when it grows the filesystem.
+    let inodes = ((mib << 20) / BYTES_PER_INODE).max(inodes + inodes / 3 + 2048);
+    let tmp = temp_path(&image);
+    let out = Command::new("mkfs.ext4")
+        .args([
+            "-q",
+            "-F",
+            "-L",
+            "space-root",
+            "-b",
+            "4096",
+            "-I",
+            "256",
+            "-m",
+            "0",
+        ])
+        .arg("-N")
+        .arg(inodes.to_string())
+        .arg("-d")
+        .arg(rootfs)
+        .arg(&tmp)
+        .arg(format!("{mib}M"))
+        .stdin(std::process::Stdio::null())
+        .output()
+        .await
+        .map_err(|e| RuntimeError::io("running mkfs.ext4", e))?;
+    if !out.status.success() {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(RuntimeError::Tool {
+            tool: "mkfs.ext4".into(),
+            message: super::tail_text(&out.stderr, 1000),
+        });
+    }
+    finish(&tmp, &image)?;
+    tracing::info!(image = %image.display(), rootfs = %rootfs.display(), mib, "made a template disk image");
+    Ok(image)
+}
+
+/// Makes the per-sandbox qcow2 overlay of `image`, `size_mib` MiB virtual (the sandbox's disk).
+pub async fn overlay(
+    qemu_img: &Path,
+    image: &Path,
+    overlay: &Path,
+    size_mib: u64,
+) -> Result<(), RuntimeError> {
+    let tmp = temp_path(overlay);
+    let out = Command::new(qemu_img)
+        .args(["create", "-q", "-f", "qcow2", "-F", "raw", "-b"])
+        .arg(image)
+        .arg(&tmp)
+        .arg(format!("{size_mib}M"))
+        .stdin(std::process::Stdio::null())
+        .output()
+        .await
+        .map_err(|e| RuntimeError::io(format!("running {}", qemu_img.display()), e))?;
+    if !out.status.success() {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(RuntimeError::Tool {
+            tool: "qemu-img create".into(),
+            message: super::tail_text(&out.stderr, 1000),
+        });
+    }
+    std::fs::rename(&tmp, overlay)
+        .map_err(|e| RuntimeError::io(format!("renaming {}", tmp.display()), e))
+}
+
+/// The guest's initramfs with `agent` appended (made once per guest and agent binary).
+pub async fn initramfs(
+    images_dir: &Path,
+    guest_dir: &Path,
+    agent: &Path,
+) -> Result<PathBuf, RuntimeError> {
+    let base = guest_dir.join(super::GUEST_INITRAMFS);
+    let mut h = Sha256::new();
+    for path in [
+        &base,
+        &guest_dir.join(super::GUEST_VERSION),
+        &agent.to_path_buf(),
+    ] {
+        let m = std::fs::metadata(path)
+            .map_err(|e| RuntimeError::io(format!("reading {}", path.display()), e))?;
+        h.update(path.as_os_str().as_encoded_bytes());
+        h.update([0]);
+        h.update(m.dev().to_le_bytes());
+        h.update(m.ino().to_le_bytes());
+        h.update(m.size().to_le_bytes());
+        h.update(m.mtime().to_le_bytes());
+        h.update(m.mtime_nsec().to_le_bytes());
+    }
+    let key = hex16(&h.finalize());
+    let out = images_dir.join(format!("initramfs-{key}.cpio.gz"));
+    if out.is_file() {
+        return Ok(out);
+    }
+    let _lock = lock(&images_dir.join(format!(".initramfs-{key}.lock"))).await?;
+    if out.is_file() {
+        return Ok(out);
+    }
+    // Atomic by itself (temporary file, then rename).
+    let (b, a, o) = (base.clone(), agent.to_path_buf(), out.clone());
+    let made = tokio::task::spawn_blocking(move || crate::guest::initramfs_with_agent(&b, &a, &o))
+        .await
+        .map_err(|e| RuntimeError::io("appending the agent", std::io::Error::other(e)))?;
+    made.map_err(|e| {
+        RuntimeError::io(
+            format!("appending {} to {}", agent.display(), base.display()),
+            e,
+        )
+    })?;
+    Ok(out)
+}
+
+/// Key of a template rootfs: its path and the identity of what says it is complete
+/// (`../template.json`), or of the directory itself for a layer without one. Templates are
+/// immutable, so a rebuilt template gets a new key.
+fn rootfs_key(rootfs: &Path) -> Result<String, RuntimeError> {
+    let dir = std::fs::metadata(rootfs)
+        .map_err(|e| RuntimeError::io(format!("reading {}", rootfs.display()), e))?;
+    if !dir.is_dir() {
+        return Err(RuntimeError::Unsupported(format!(
+            "template rootfs {} is not a directory",
+            rootfs.display()
+        )));
+    }
+    let meta = rootfs
+        .parent()
+        .map(|p| p.join("template.json"))
+        .and_then(|p| std::fs::metadata(p).ok());
+    let mut h = Sha256::new();
+    h.update(rootfs.as_os_str().as_encoded_bytes());
+    h.update([0]);
+    match meta {
+        Some(m) => {
+            h.update(b"template.json");
+            h.update(m.ino().to_le_bytes());
+            h.update(m.size().to_le_bytes());
+            h.update(m.mtime().to_le_bytes());
+            h.update(m.mtime_nsec().to_le_bytes());
+        }
+        None => {
+            h.update(b"dir");
+            h.update(dir.dev().to_le_bytes());
+            h.update(dir.ino().to_le_bytes());
+            h.update(dir.mtime().to_le_bytes());
+            h.update(dir.mtime_nsec().to_le_bytes());
+        }
+    }
+    Ok(hex16(&h.finalize()))
+}
+
+/// Image size for a tree of `bytes`: 1.2 × its size plus [`IMAGE_SLACK_MIB`], whole MiB.
+pub fn image_mib(bytes: u64) -> u64 {
+    let mib = bytes.div_ceil(1 << 20);
+    mib + mib.div_ceil(5) + IMAGE_SLACK_MIB
+}
+
+/// Allocated bytes (hard links once) and inode count of a directory tree; symlinks not followed.
+fn tree_usage(root: &Path) -> (u64, u64) {
+    let mut seen = std::collections::HashSet::new();
+    let (mut bytes, mut inodes) = (0u64, 0u64);
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        let Ok(entries) = std::fs::read_dir(&d) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            let Ok(m) = e.metadata() else { continue };
+            if m.nlink() > 1 && !m.is_dir() && !seen.insert((m.dev(), m.ino())) {
+                continue;
+            }
+            inodes += 1;
+            // ext4 rounds every file up to its 4 KiB block.
+            bytes += (m.blocks() * 512).max(m.len().next_multiple_of(4096));
+            if m.is_dir() {
+                stack.push(e.path());
+            }
+        }
+    }
+    (bytes, inodes)
+}
+
+/// A held flock(2); released when dropped (the descriptor closes).
+struct Lock(#[allow(dead_code)] std::fs::File);
+
+async fn lock(path: &Path) -> Result<Lock, RuntimeError> {
+    use std::os::fd::AsRawFd;
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(path)
+        .map_err(|e| RuntimeError::io(format!("opening {}", path.display()), e))?;
+    let ctx = format!("locking {}", path.display());
+    tokio::task::spawn_blocking(move || {
+        // SAFETY: flock on a descriptor we own; blocks this pool thread until it is ours.
+        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(Lock(file))
+    })
+    .await
+    .map_err(|e| RuntimeError::io(ctx.clone(), std::io::Error::other(e)))?
+    .map_err(|e| RuntimeError::io(ctx, e))
+}
+
+fn temp_path(path: &Path) -> PathBuf {
+    let mut random = [0u8; 6];
+    let _ = getrandom::getrandom(&mut random);
+    let hex: String = random.iter().map(|b| format!("{b:02x}")).collect();
+    let mut name = path.file_name().unwrap_or_default().to_os_string();
+    name.push(format!(".tmp-{hex}"));
+    path.with_file_name(name)
+}
+
+/// fsyncs `tmp` and renames it to `path`.
+fn finish(tmp: &Path, path: &Path) -> Result<(), RuntimeError> {
+    let synced = std::fs::File::open(tmp).and_then(|f| f.sync_all());
+    if let Err(e) = synced.and_then(|()| std::fs::rename(tmp, path)) {
+        let _ = std::fs::remove_file(tmp);
+        return Err(RuntimeError::io(format!("finishing {}", path.display()), e));
+    }
+    Ok(())
+}
+
+fn hex16(digest: &[u8]) -> String {
+    digest.iter().take(8).map(|b| format!("{b:02x}")).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn image_is_a_fifth_larger_plus_slack() {
+        assert_eq!(image_mib(0), 64);
+        assert_eq!(image_mib(1), 66);
+        assert_eq!(image_mib(100 << 20), 184);
+    }
+}
