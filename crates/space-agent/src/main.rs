@@ -1,6 +1,7 @@
 //! `space-agent`: PID 1 inside a sandbox.
 //!
-//! It dials the host's Unix socket, introduces itself with a [`Hello`] line and,
+//! It dials the host (a Unix socket under gVisor, the virtio-serial port named by
+//! `SPACE_AGENT_PORT` in a microVM), introduces itself with a [`Hello`] line and,
 //! once accepted, serves HTTP/2 on that connection (the agent is the server).
 //! When the connection ends it dials again; commands and their unacknowledged
 //! output live in [`http::Agent`] and survive reconnects.
@@ -8,6 +9,7 @@
 mod command;
 mod files;
 mod http;
+mod port;
 mod pty;
 mod reaper;
 mod spawn;
@@ -15,6 +17,7 @@ mod tree;
 mod users;
 
 use std::convert::Infallible;
+use std::future::Future;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
@@ -23,11 +26,12 @@ use hyper::server::conn::http2;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use space_agent::protocol::{self, Hello, HelloReply, PROTOCOL_VERSION};
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio::net::UnixStream;
 use tokio::signal::unix::{signal, SignalKind};
 
 use crate::http::Agent;
+use crate::port::Port;
 
 const DEFAULT_SOCKET: &str = "/.space/run/agent.sock";
 const DEFAULT_TOKEN_FILE: &str = "/.space/run/token";
@@ -44,8 +48,16 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(2);
 const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(3);
 const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(6);
 
+/// How the agent reaches the host.
+enum Transport {
+    /// A Unix stream socket the agent connects to (`SPACE_AGENT_SOCKET`).
+    Socket(String),
+    /// A virtio-serial port the agent opens (`SPACE_AGENT_PORT`).
+    Port(String),
+}
+
 struct Config {
-    socket: String,
+    transport: Transport,
     sandbox_id: String,
     token: String,
 }
@@ -53,7 +65,12 @@ struct Config {
 impl Config {
     fn from_env() -> Result<Config, String> {
         let var = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
-        let socket = var("SPACE_AGENT_SOCKET").unwrap_or_else(|| DEFAULT_SOCKET.into());
+        let transport = match var("SPACE_AGENT_PORT") {
+            Some(port) => Transport::Port(port),
+            None => Transport::Socket(
+                var("SPACE_AGENT_SOCKET").unwrap_or_else(|| DEFAULT_SOCKET.into()),
+            ),
+        };
         let sandbox_id = var("SPACE_SANDBOX_ID").ok_or("SPACE_SANDBOX_ID is not set")?;
         let token_file = var("SPACE_AGENT_TOKEN_FILE").unwrap_or_else(|| DEFAULT_TOKEN_FILE.into());
         let token = std::fs::read_to_string(&token_file)
@@ -72,7 +89,7 @@ impl Config {
             crate::spawn::set_tasks_limit(limit);
         }
         Ok(Config {
-            socket,
+            transport,
             sandbox_id,
             token,
         })
@@ -109,19 +126,49 @@ async fn main() -> ExitCode {
     ExitCode::SUCCESS
 }
 
-/// Dials the host forever; serves each accepted connection until it ends.
+/// A byte stream to the host that the handshake and HTTP/2 run over.
+trait HostLink: AsyncRead + AsyncWrite + Unpin + Send + 'static {
+    /// Waits until the host has sent something (without consuming it); false when
+    /// the connection ended first.
+    fn host_spoke(&self) -> impl Future<Output = bool> + Send;
+}
+
+impl HostLink for UnixStream {
+    fn host_spoke(&self) -> impl Future<Output = bool> + Send {
+        socket_host_spoke(self)
+    }
+}
+
+impl HostLink for Port {
+    fn host_spoke(&self) -> impl Future<Output = bool> + Send {
+        Port::host_spoke(self)
+    }
+}
+
 async fn dial_loop(cfg: &Config, agent: Arc<Agent>) {
+    match &cfg.transport {
+        Transport::Socket(path) => {
+            serve_host(cfg, agent, path, || UnixStream::connect(path.as_str())).await
+        }
+        Transport::Port(path) => serve_host(cfg, agent, path, || Port::connect(path)).await,
+    }
+}
+
+/// Dials the host forever; serves each accepted connection until it ends.
+async fn serve_host<S, D, F>(cfg: &Config, agent: Arc<Agent>, target: &str, dial: D)
+where
+    S: HostLink,
+    D: Fn() -> F,
+    F: Future<Output = std::io::Result<S>>,
+{
     let mut backoff = BACKOFF_MIN;
     let mut quiet = false;
     loop {
-        let mut stream = match UnixStream::connect(&cfg.socket).await {
+        let mut stream = match dial().await {
             Ok(s) => s,
             Err(e) => {
                 if !quiet {
-                    eprintln!(
-                        "space-agent: cannot connect to {}: {e}; retrying",
-                        cfg.socket
-                    );
+                    eprintln!("space-agent: cannot connect to {target}: {e}; retrying");
                     quiet = true;
                 }
                 tokio::time::sleep(backoff).await;
@@ -134,7 +181,7 @@ async fn dial_loop(cfg: &Config, agent: Arc<Agent>) {
                 backoff = BACKOFF_MIN;
                 quiet = false;
                 // The host speaks first (the HTTP/2 preface); one that does not is gone.
-                match tokio::time::timeout(HANDSHAKE_TIMEOUT, host_spoke(&stream)).await {
+                match tokio::time::timeout(HANDSHAKE_TIMEOUT, stream.host_spoke()).await {
                     Ok(true) => serve(stream, agent.clone()).await,
                     _ => eprintln!("space-agent: host said nothing after the handshake"),
                 }
@@ -159,7 +206,7 @@ async fn dial_loop(cfg: &Config, agent: Arc<Agent>) {
     }
 }
 
-async fn handshake(stream: &mut UnixStream, cfg: &Config) -> std::io::Result<HelloReply> {
+async fn handshake<S: HostLink>(stream: &mut S, cfg: &Config) -> std::io::Result<HelloReply> {
     let hello = Hello {
         protocol: PROTOCOL_VERSION,
         sandbox_id: cfg.sandbox_id.clone(),
@@ -176,7 +223,7 @@ async fn handshake(stream: &mut UnixStream, cfg: &Config) -> std::io::Result<Hel
 
 /// Waits until the host has sent something (without consuming it); false when
 /// the connection ended first.
-async fn host_spoke(stream: &UnixStream) -> bool {
+async fn socket_host_spoke(stream: &UnixStream) -> bool {
     use std::os::fd::AsRawFd;
     loop {
         if stream.readable().await.is_err() {
@@ -207,7 +254,7 @@ async fn host_spoke(stream: &UnixStream) -> bool {
     }
 }
 
-async fn serve(stream: UnixStream, agent: Arc<Agent>) {
+async fn serve<S: HostLink>(stream: S, agent: Arc<Agent>) {
     let watcher = agent.clone();
     let service = service_fn(move |req| {
         let agent = agent.clone();
