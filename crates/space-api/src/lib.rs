@@ -191,6 +191,10 @@ pub struct Sandbox {
     pub template: String,
     pub template_version: String,
     pub runtime: String,
+    /// What isolates it: the gVisor platform (`systrap`), or the microVM's accelerator
+    /// (`kvm`, or `tcg`: software emulation, not a security boundary).
+    #[serde(default)]
+    pub accelerator: Option<String>,
     pub labels: BTreeMap<String, String>,
     pub resources: Resources,
     pub env: BTreeMap<String, String>,

@@ -113,6 +113,17 @@ struct ServeArgs {
     /// Largest file upload through the file API, MiB (a tar upload: what it extracts to).
     #[arg(long, default_value_t = 16384)]
     max_upload_mib: u64,
+    /// Guest kernel and initramfs of the microvm runtime (scripts/build-guest.sh makes them;
+    /// default: `guest/` beside the target dir of this executable, else DATA_DIR/guest).
+    #[arg(long, env = "SPACE_GUEST_DIR")]
+    guest_dir: Option<PathBuf>,
+    /// Accelerator of the microvm runtime: auto (KVM where it really runs standard guests,
+    /// else TCG), kvm or tcg.
+    #[arg(long, default_value = "auto")]
+    microvm_accel: String,
+    /// Runtime of sandboxes that ask for none: gvisor or microvm.
+    #[arg(long, default_value = "gvisor")]
+    default_runtime: String,
     /// Default process limit of a sandbox.
     #[arg(long, default_value_t = 1024)]
     default_pids: u64,
@@ -193,6 +204,83 @@ impl Cmd {
     }
 }
 
+/// gVisor always; the microVM runtime where its guest files and QEMU are there.
+fn runtimes(
+    args: &ServeArgs,
+    gvisor: GvisorRuntime,
+) -> anyhow::Result<service::runtimes::Runtimes> {
+    use service::runtimes::{RuntimeEntry, Runtimes};
+    use space_runtime::microvm::{MicrovmConfig, MicrovmRuntime};
+    let accel: space_runtime::microvm::AccelChoice = args
+        .microvm_accel
+        .parse()
+        .map_err(|e| anyhow::anyhow!("--microvm-accel: {e}"))?;
+    let guest_dir = args.guest_dir.clone().unwrap_or_else(|| {
+        std::env::current_exe()
+            .ok()
+            .and_then(|exe| exe.parent().map(|d| d.join("../guest")))
+            .filter(|d| d.join(space_runtime::microvm::GUEST_KERNEL).exists())
+            .unwrap_or_else(|| args.data_dir.join("guest"))
+    });
+    let mut cfg = MicrovmConfig::new(guest_dir, args.data_dir.join("microvm"));
+    cfg.accel = accel;
+    let microvm = match which(&cfg.qemu) {
+        None => Err(format!(
+            "{} is not installed (scripts/setup.sh installs qemu-system-x86)",
+            cfg.qemu.display()
+        )),
+        Some(_) => MicrovmRuntime::new(cfg).map_err(|e| e.to_string()),
+    };
+    if accel == space_runtime::microvm::AccelChoice::Kvm {
+        if let Err(why) = &microvm {
+            anyhow::bail!("--microvm-accel kvm: {why}");
+        }
+    }
+    match &microvm {
+        Ok(m) => tracing::info!(accelerator = %m.accel(), "microvm runtime available"),
+        Err(why) => tracing::warn!(reason = %why, "microvm runtime unavailable"),
+    }
+    let accelerator = microvm.as_ref().ok().map(|m| m.accel().to_string());
+    let platform = args.platform.clone();
+    let mut entries = vec![
+        RuntimeEntry {
+            name: "gvisor",
+            accelerator: Some(platform),
+            runtime: Ok(Arc::new(gvisor)),
+        },
+        RuntimeEntry {
+            name: "microvm",
+            accelerator,
+            runtime: microvm.map(|m| Arc::new(m) as Arc<dyn space_core::runtime::Runtime>),
+        },
+    ];
+    // The default runtime first.
+    if let Some(i) = entries.iter().position(|e| e.name == args.default_runtime) {
+        entries.swap(0, i);
+    } else {
+        anyhow::bail!(
+            "--default-runtime {:?}: use gvisor or microvm",
+            args.default_runtime
+        );
+    }
+    if let Err(why) = &entries[0].runtime {
+        anyhow::bail!("--default-runtime {}: {why}", entries[0].name);
+    }
+    Runtimes::new(entries)
+}
+
+/// `cmd` as found on PATH (or as given, when it has a slash).
+fn which(cmd: &Path) -> Option<PathBuf> {
+    if cmd.components().count() > 1 {
+        return cmd.is_file().then(|| cmd.to_path_buf());
+    }
+    std::env::var_os("PATH").and_then(|paths| {
+        std::env::split_paths(&paths)
+            .map(|d| d.join(cmd))
+            .find(|p| p.is_file())
+    })
+}
+
 fn exit_with(r: anyhow::Result<i32>) -> ! {
     match r {
         Ok(code) => std::process::exit(code),
@@ -235,7 +323,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         }
     };
 
-    let agent_bin = match args.agent_bin {
+    let agent_bin = match args.agent_bin.clone() {
         Some(p) => p,
         None => default_agent_bin()?,
     };
@@ -274,7 +362,8 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         platform: args.platform.clone(),
         max_upload_bytes: args.max_upload_mib.saturating_mul(1 << 20),
     };
-    let service = service::Service::start(cfg, Arc::new(runtime))
+    let runtimes = runtimes(&args, runtime)?;
+    let service = service::Service::start(cfg, runtimes)
         .await
         .context("starting the service")?;
     let app = api::router(api::AppState {

@@ -79,6 +79,12 @@ pub fn router(state: AppState) -> Router {
         .route("/templates/:name", axum::routing::delete(templates::delete))
         .route("/operations/:id/log", get(operations::log))
         .route("/events", get(events::stream))
+        .route(
+            "/runtimes",
+            get(|State(st): State<AppState>| async move {
+                Json(serde_json::json!({ "runtimes": st.service.runtimes_info() }))
+            }),
+        )
         .fallback(not_found)
         .layer(middleware::from_fn_with_state(state.clone(), auth));
     Router::new()

@@ -225,7 +225,7 @@ impl Service {
         handle.closed.cancel();
         handle.stop_listener();
         let dir = self.sandbox_dir(id);
-        let result = self.0.runtime.destroy(id, &dir).await;
+        let result = self.rt(id).destroy(id, &dir).await;
         if let Err(e) = result {
             let e = runtime_failed(&e);
             self.advance(id, SandboxEvent::Failed, |r| {
@@ -248,7 +248,7 @@ impl Service {
         self.begin(id, op_id, SandboxEvent::PauseRequested, "pausing")?;
         failpoint("pause:before_runtime");
         failpoint_hang("pause:hang").await;
-        let paused = self.0.runtime.pause(id).await;
+        let paused = self.rt(id).pause(id).await;
         failpoint("pause:after_runtime");
         match paused {
             Ok(()) => self.advance(id, SandboxEvent::Paused, |_| {}),
@@ -265,7 +265,7 @@ impl Service {
         let id = &handle.id;
         let from = self.begin(id, op_id, SandboxEvent::ResumeRequested, "resuming")?;
         if from == SandboxState::Paused {
-            return match self.0.runtime.resume(id).await {
+            return match self.rt(id).resume(id).await {
                 Ok(()) => self.advance(id, SandboxEvent::Resumed, |_| {}),
                 Err(e) => {
                     let e = runtime_failed(&e);
@@ -285,8 +285,7 @@ impl Service {
             .map_err(|e| ApiError::new("internal", format!("listening for the agent: {e}")))?;
         let image = self.snapshot_dir(id);
         let restored = self
-            .0
-            .runtime
+            .rt(id)
             .restore(id, &self.sandbox_dir(id), &image)
             .await
             .map_err(|e| runtime_failed(&e));
@@ -313,7 +312,7 @@ impl Service {
         if let Err(e) = connected {
             // The snapshot is untouched: go back to `suspended` so the resume can be retried.
             handle.stop_listener();
-            let _ = self.0.runtime.stop(id, &self.sandbox_dir(id)).await;
+            let _ = self.rt(id).stop(id, &self.sandbox_dir(id)).await;
             self.advance(id, SandboxEvent::ResumeAbortedToSuspended, |_| {})?;
             return Err(e);
         }
@@ -336,7 +335,7 @@ impl Service {
         let id = &handle.id;
         let from = self.begin(id, op_id, SandboxEvent::SuspendRequested, "suspending")?;
         if from == SandboxState::Paused {
-            if let Err(e) = self.0.runtime.resume(id).await {
+            if let Err(e) = self.rt(id).resume(id).await {
                 let e = runtime_failed(&e);
                 self.settle_after_failure(handle, SandboxEvent::SuspendAborted, &e)
                     .await;
@@ -397,13 +396,12 @@ impl Service {
         let image = self.snapshot_dir(id);
         let _ = std::fs::remove_dir_all(&image);
         if let Err(e) = self
-            .0
-            .runtime
+            .rt(id)
             .checkpoint(id, &self.sandbox_dir(id), &image)
             .await
         {
             let e = runtime_failed(&e);
-            let status = self.0.runtime.status(id).await.ok();
+            let status = self.rt(id).status(id).await.ok();
             if status == Some(RuntimeStatus::Running) {
                 let rec = self.record(id).map_err(internal)?;
                 let _ = self.start_listener(handle, &rec);
@@ -437,7 +435,7 @@ impl Service {
             SandboxEvent::ResumeAbortedToPaused => RuntimeStatus::Paused,
             _ => RuntimeStatus::Running,
         };
-        if self.0.runtime.status(&handle.id).await.ok() == Some(expected)
+        if self.rt(&handle.id).status(&handle.id).await.ok() == Some(expected)
             && self.advance(&handle.id, event, |_| {}).is_ok()
         {
             return;

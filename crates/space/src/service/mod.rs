@@ -13,6 +13,7 @@ mod lifecycle;
 pub mod output;
 mod reconcile;
 mod retention;
+pub mod runtimes;
 mod snapshot;
 mod templates;
 
@@ -25,7 +26,7 @@ use space_api::{
     ApiError, CreateSandboxRequest, NetworkSpec, Operation, OperationKind, OperationStatus,
     Resources, Sandbox, SandboxState,
 };
-use space_core::runtime::{Runtime, RuntimeError, RuntimeStatus, SandboxSpec};
+use space_core::runtime::{RuntimeError, RuntimeStatus, SandboxSpec};
 use space_core::{new_id, new_token, now_rfc3339, transition, InvalidTransition, SandboxEvent};
 use space_runtime::template::{TemplateError, TemplateStore};
 use space_store::{SandboxRecord, Store, StoreError};
@@ -147,7 +148,7 @@ impl SandboxHandle {
 pub(crate) struct Inner {
     pub cfg: Config,
     pub store: Store,
-    pub runtime: Arc<dyn Runtime>,
+    pub runtimes: runtimes::Runtimes,
     pub templates: TemplateStore,
     sandboxes: Mutex<HashMap<String, Arc<SandboxHandle>>>,
     pub commands: commands::Registry,
@@ -168,7 +169,7 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 impl Service {
     /// Opens the store and reconciles it with what really runs.
-    pub async fn start(cfg: Config, runtime: Arc<dyn Runtime>) -> anyhow::Result<Service> {
+    pub async fn start(cfg: Config, runtimes: runtimes::Runtimes) -> anyhow::Result<Service> {
         std::fs::create_dir_all(&cfg.data_dir)?;
         std::fs::create_dir_all(cfg.data_dir.join("sandboxes"))?;
         std::fs::create_dir_all(cfg.data_dir.join("outputs"))?;
@@ -179,7 +180,7 @@ impl Service {
         let svc = Service(Arc::new(Inner {
             cfg,
             store,
-            runtime,
+            runtimes,
             templates,
             sandboxes: Mutex::new(HashMap::new()),
             commands: commands::Registry::default(),
@@ -193,8 +194,9 @@ impl Service {
         Ok(svc)
     }
 
+    /// The runtime new sandboxes get when they ask for none.
     pub fn runtime_name(&self) -> &'static str {
-        self.0.runtime.name()
+        self.0.runtimes.default
     }
 
     fn sandbox_dir(&self, id: &str) -> PathBuf {
@@ -234,12 +236,11 @@ impl Service {
             .runtime
             .clone()
             .unwrap_or_else(|| self.runtime_name().into());
-        if runtime != self.runtime_name() {
-            return Err(ServiceError::BadRequest(format!(
-                "unknown runtime {runtime:?}: this server runs {:?}",
-                self.runtime_name()
-            )));
-        }
+        self.0
+            .runtimes
+            .get(&runtime)
+            .map_err(ServiceError::BadRequest)?;
+        let accelerator = self.0.runtimes.accelerator(&runtime);
         let network = req.network.clone().unwrap_or(NetworkSpec {
             mode: "none".into(),
         });
@@ -290,6 +291,7 @@ impl Service {
                     .map(|t| t.version.clone())
                     .unwrap_or_default(),
                 runtime,
+                accelerator,
                 labels,
                 resources,
                 env,
@@ -462,7 +464,9 @@ impl Service {
             hostname: id.replace('_', "-"),
         };
         self.0
-            .runtime
+            .runtimes
+            .get(&rec.sandbox.runtime)
+            .map_err(|why| ApiError::new("runtime_unavailable", why))?
             .create(&spec)
             .await
             .map_err(|e| ApiError::new("runtime_failed", error_chain(&e)))?;
@@ -562,7 +566,7 @@ impl Service {
                 if connected {
                     break;
                 }
-                let reason = match self.0.runtime.status(&handle.id).await {
+                let reason = match self.rt(&handle.id).status(&handle.id).await {
                     Ok(RuntimeStatus::Stopped) | Ok(RuntimeStatus::Missing) => {
                         Some("the sandbox stopped unexpectedly (its kernel or agent exited)")
                     }
@@ -606,8 +610,7 @@ impl Service {
         handle.closed.cancel();
         handle.stop_listener();
         if let Err(e) = self
-            .0
-            .runtime
+            .rt(&handle.id)
             .destroy(&handle.id, &self.sandbox_dir(&handle.id))
             .await
         {

@@ -42,8 +42,7 @@ impl Service {
             let status = match rec.sandbox.state {
                 SandboxState::Destroyed | SandboxState::Failed => None,
                 _ => Some(
-                    self.0
-                        .runtime
+                    self.rt(&id)
                         .status(&id)
                         .await
                         .unwrap_or(RuntimeStatus::Missing),
@@ -88,7 +87,7 @@ impl Service {
                         }
                     });
                     if event == SandboxEvent::SuspendAborted && paused {
-                        let _ = self.0.runtime.resume(&id).await;
+                        let _ = self.rt(&id).resume(&id).await;
                     }
                     self.adopt(&self.record(&id)?)?;
                     let what = rec.sandbox.state.to_string();
@@ -100,7 +99,7 @@ impl Service {
                     if snapshot_complete(&image) =>
                 {
                     // The sandbox is on disk: a finished suspend, or a resume that did not start.
-                    let _ = self.0.runtime.stop(&id, &self.sandbox_dir(&id)).await;
+                    let _ = self.rt(&id).stop(&id, &self.sandbox_dir(&id)).await;
                     let was = rec.sandbox.state;
                     let bytes = space_runtime::dir_size(&image);
                     let event = match was {
@@ -185,10 +184,12 @@ impl Service {
 
         // Leftovers nobody owns: containers and directories of sandboxes not live here.
         let live: Vec<String> = lock(&self.0.sandboxes).keys().cloned().collect();
-        for cid in self.0.runtime.list().await.unwrap_or_default() {
-            if !live.contains(&cid) {
-                tracing::warn!(sandbox = %cid, "removing a leftover container");
-                let _ = self.0.runtime.destroy(&cid, &self.sandbox_dir(&cid)).await;
+        for rt in self.0.runtimes.available() {
+            for cid in rt.list().await.unwrap_or_default() {
+                if !live.contains(&cid) {
+                    tracing::warn!(sandbox = %cid, runtime = rt.name(), "removing a leftover sandbox");
+                    let _ = rt.destroy(&cid, &self.sandbox_dir(&cid)).await;
+                }
             }
         }
         for dir in ["sandboxes", "snapshots"] {

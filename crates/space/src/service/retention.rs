@@ -105,13 +105,13 @@ impl Service {
         let dir = self.sandbox_dir(&sb.id);
         match sb.state {
             SandboxState::Running | SandboxState::Paused | SandboxState::Pausing => {
-                sb.cost.memory_bytes = self.0.runtime.resident_bytes(&sb.id, &dir);
+                sb.cost.memory_bytes = self.rt(&sb.id).resident_bytes(&sb.id, &dir);
                 sb.cost.snapshot_bytes = None;
-                sb.cost.disk_bytes = self.0.runtime.disk_bytes(&sb.id, &dir);
+                sb.cost.disk_bytes = self.rt(&sb.id).disk_bytes(&sb.id, &dir);
             }
             SandboxState::Suspended => {
                 sb.cost.memory_bytes = Some(0);
-                sb.cost.disk_bytes = self.0.runtime.disk_bytes(&sb.id, &dir);
+                sb.cost.disk_bytes = self.rt(&sb.id).disk_bytes(&sb.id, &dir);
             }
             _ => sb.cost.memory_bytes = None,
         }

@@ -1,0 +1,341 @@
+//! The conformance suite: the same behaviour, checked the same way, on every
+//! runtime. Each case is one async fn taking the runtime's name; the macro at the
+//! bottom makes a `…_gvisor` and a `…_microvm` test of it. A runtime the server
+//! reports as unavailable on this host (GET /v1/runtimes) is skipped with a printed
+//! reason, never passed silently: `SPACE_TEST_REQUIRE_RUNTIMES=gvisor,microvm`
+//! (set by scripts/test.sh) turns a skip into a failure.
+//! Differences between the runtimes are listed in docs/RUNTIMES.md.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{decode, TestServer};
+use serde_json::{json, Value};
+
+/// The server, or `None` (with the reason printed) when `runtime` is not available here.
+async fn server(runtime: &str) -> Option<TestServer> {
+    let s = TestServer::start().await;
+    let (st, v) = s.get("/v1/runtimes").await;
+    assert_eq!(st, 200, "{v}");
+    let entry = v["runtimes"]
+        .as_array()
+        .and_then(|a| a.iter().find(|r| r["name"] == runtime).cloned())
+        .unwrap_or_else(|| panic!("no runtime {runtime} in {v}"));
+    if entry["available"] == true {
+        return Some(s);
+    }
+    let required = std::env::var("SPACE_TEST_REQUIRE_RUNTIMES").unwrap_or_default();
+    assert!(
+        !required.split(',').any(|r| r == runtime),
+        "runtime {runtime} is required but unavailable: {entry}"
+    );
+    eprintln!(
+        "skipping: runtime {runtime} is unavailable here: {}",
+        entry["reason"]
+    );
+    None
+}
+
+async fn create(s: &TestServer, runtime: &str, mut body: Value) -> String {
+    body["runtime"] = json!(runtime);
+    if body.get("template").is_none() {
+        body["template"] = json!("busybox");
+    }
+    let sb = s.create_with(body).await;
+    let (_, v) = s.get(&format!("/v1/sandboxes/{sb}")).await;
+    assert_eq!(v["runtime"], runtime, "{v}");
+    sb
+}
+
+async fn op_ok(s: &TestServer, resp: (u16, Value)) -> Value {
+    let (st, op) = resp;
+    assert_eq!(st, 202, "{op}");
+    let done = s.wait_op(op["id"].as_str().unwrap()).await;
+    assert_eq!(done["status"], "succeeded", "{done}\n{}", s.log());
+    done
+}
+
+async fn commands_env_exit_codes_and_streams(rt: &str) {
+    let Some(s) = server(rt).await else { return };
+    let sb = create(&s, rt, json!({"env": {"GREETING": "hi"}})).await;
+    let out = s.sh(&sb, "echo $GREETING; echo oops >&2; exit 3").await;
+    assert_eq!(out["stdout"], "hi\n", "{out}");
+    assert_eq!(out["stderr"], "oops\n");
+    assert_eq!(out["result"]["exit_code"], 3);
+    let out = s.run(&sb, &["/bin/sh", "-c", "id -u; pwd"]).await;
+    assert_eq!(out["result"]["exit_code"], 0, "{out}");
+    let out = s.run(&sb, &["/no/such/program"]).await;
+    assert_eq!(out["result"]["exit_code"], 127, "{out}");
+    // PID 1 is the agent, and it reaps orphans.
+    let out = s
+        .sh(&sb, "cat /proc/1/cmdline | tr '\\0' ' '; (sleep 0.1 &) ; sleep 0.3; ps -o stat | grep -c Z || true")
+        .await;
+    let text = out["stdout"].as_str().unwrap();
+    assert!(text.contains("space-agent"), "{out}");
+    assert!(text.ends_with("0\n"), "zombies left: {out}");
+    s.destroy(&sb).await;
+}
+
+async fn output_offsets_stdin_signals_and_timeouts(rt: &str) {
+    let Some(s) = server(rt).await else { return };
+    let sb = create(&s, rt, json!({})).await;
+    // Output replay from an offset.
+    let cmd = s.sh(&sb, "printf 0123456789").await;
+    let id = cmd["id"].as_str().unwrap();
+    let (chunks, _) = s.output(&sb, id, "offset=4&stream=stdout").await;
+    assert_eq!(decode(&chunks, Some("stdout")), b"456789");
+    // stdin, with EOF.
+    let (st, c) = s
+        .post(
+            &format!("/v1/sandboxes/{sb}/commands"),
+            json!({"argv": ["cat"], "stdin": true}),
+        )
+        .await;
+    assert_eq!(st, 201, "{c}");
+    let cid = c["id"].as_str().unwrap().to_string();
+    let resp = s
+        .req(
+            reqwest::Method::POST,
+            &format!("/v1/sandboxes/{sb}/commands/{cid}/stdin?eof=true"),
+        )
+        .body("through stdin\n")
+        .send()
+        .await
+        .unwrap();
+    assert!(resp.status().is_success());
+    let (_, done) = s
+        .get(&format!("/v1/sandboxes/{sb}/commands/{cid}?wait=30s"))
+        .await;
+    assert_eq!(done["result"]["exit_code"], 0, "{done}");
+    let (chunks, _) = s.output(&sb, &cid, "").await;
+    assert_eq!(decode(&chunks, None), b"through stdin\n");
+    // A signal reaches the process group.
+    let (_, c) = s
+        .post(
+            &format!("/v1/sandboxes/{sb}/commands"),
+            json!({"shell": "sleep 1000 & sleep 1000"}),
+        )
+        .await;
+    let cid = c["id"].as_str().unwrap().to_string();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let (st, v) = s
+        .post(
+            &format!("/v1/sandboxes/{sb}/commands/{cid}/signal"),
+            json!({"signal": "KILL"}),
+        )
+        .await;
+    assert_eq!(st, 200, "{v}");
+    let (_, done) = s
+        .get(&format!("/v1/sandboxes/{sb}/commands/{cid}?wait=30s"))
+        .await;
+    assert_eq!(done["result"]["signal"], 9, "{done}");
+    // A timeout ends the whole tree, setsid children included.
+    let out = s
+        .post(
+            &format!("/v1/sandboxes/{sb}/commands"),
+            json!({"shell": "setsid sleep 1000 & sleep 1000", "timeout_seconds": 1, "wait": true}),
+        )
+        .await
+        .1;
+    assert_eq!(out["result"]["timed_out"], true, "{out}");
+    let left = s.sh(&sb, "ps -o comm | grep -c '^sleep' || true").await;
+    assert_eq!(left["stdout"], "0\n", "{left}");
+    s.destroy(&sb).await;
+}
+
+async fn files_round_trip_and_containment(rt: &str) {
+    let Some(s) = server(rt).await else { return };
+    let sb = create(&s, rt, json!({})).await;
+    let files = format!("/v1/sandboxes/{sb}/files");
+    let resp = s
+        .req(
+            reqwest::Method::PUT,
+            &format!("{files}?path=/tmp/up.bin&mode=0600&uid=1000&gid=1000"),
+        )
+        .body(vec![5u8; 200_000])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 201);
+    let seen = s.sh(&sb, "stat -c '%a %u %s' /tmp/up.bin").await;
+    assert_eq!(seen["stdout"], "600 1000 200000\n", "{seen}");
+    let body = s
+        .req(reqwest::Method::GET, &format!("{files}?path=/tmp/up.bin"))
+        .send()
+        .await
+        .unwrap()
+        .bytes()
+        .await
+        .unwrap();
+    assert_eq!(body.len(), 200_000);
+    let (st, v) = s.get(&format!("{files}/list?path=/tmp")).await;
+    assert_eq!(st, 200, "{v}");
+    s.sh(&sb, "ln -s /.space/run /tmp/agentdir").await;
+    for p in [
+        "/.space/run/agent.sock",
+        "/tmp/agentdir/x",
+        "/proc/1/environ",
+    ] {
+        let (st, v) = s.get(&format!("{files}/stat?path={p}")).await;
+        assert_eq!(st, 403, "{p}: {v}");
+    }
+    let (st, _) = s.get(&format!("{files}/stat?path=/tmp/../etc")).await;
+    assert_eq!(st, 400);
+    s.destroy(&sb).await;
+}
+
+async fn resources_are_applied(rt: &str) {
+    let Some(s) = server(rt).await else { return };
+    let sb = create(
+        &s,
+        rt,
+        json!({"resources": {"vcpus": 2, "memory_mib": 256, "disk_mib": 128}}),
+    )
+    .await;
+    let out = s
+        .sh(
+            &sb,
+            "nproc; awk '/MemTotal/ {print int($2/1024)}' /proc/meminfo",
+        )
+        .await;
+    let text = out["stdout"].as_str().unwrap().to_string();
+    let mut lines = text.lines();
+    assert_eq!(lines.next(), Some("2"), "{out}");
+    let mem: u64 = lines.next().unwrap().parse().unwrap();
+    assert!(
+        (160..=256).contains(&mem),
+        "MemTotal {mem} MiB for 256: {out}"
+    );
+    let fill = s
+        .sh(
+            &sb,
+            "dd if=/dev/zero of=/fill bs=1M count=400 2>&1; echo rc=$?",
+        )
+        .await;
+    let text = fill["stdout"].as_str().unwrap();
+    assert!(text.contains("No space left"), "{fill}");
+    s.destroy(&sb).await;
+}
+
+async fn pause_and_suspend_cycles_keep_processes_and_files(rt: &str) {
+    let Some(s) = server(rt).await else { return };
+    let sb = create(&s, rt, json!({"env": {"KEPT": "yes"}})).await;
+    let (st, counter) = s
+        .post(
+            &format!("/v1/sandboxes/{sb}/commands"),
+            json!({"shell": "i=0; while true; do echo $i; echo $i > /tmp/count; i=$((i+1)); sleep 0.05; done"}),
+        )
+        .await;
+    assert_eq!(st, 201);
+    let counter = counter["id"].as_str().unwrap().to_string();
+
+    op_ok(
+        &s,
+        s.post(&format!("/v1/sandboxes/{sb}/pause"), json!({}))
+            .await,
+    )
+    .await;
+    let (_, v) = s.get(&format!("/v1/sandboxes/{sb}")).await;
+    assert_eq!(v["state"], "paused");
+    assert!(v["cost"]["memory_bytes"].as_u64().unwrap_or(0) > 0, "{v}");
+    op_ok(
+        &s,
+        s.post(&format!("/v1/sandboxes/{sb}/resume"), json!({}))
+            .await,
+    )
+    .await;
+
+    for cycle in 0..5 {
+        let cmd = s
+            .sh(
+                &sb,
+                &format!("echo cycle-{cycle} > /root/f{cycle}; echo $KEPT"),
+            )
+            .await;
+        assert_eq!(cmd["stdout"], "yes\n", "{cmd}");
+        op_ok(
+            &s,
+            s.post(&format!("/v1/sandboxes/{sb}/suspend"), json!({}))
+                .await,
+        )
+        .await;
+        let (_, v) = s.get(&format!("/v1/sandboxes/{sb}")).await;
+        assert_eq!(v["state"], "suspended");
+        assert!(v["cost"]["snapshot_bytes"].as_u64().unwrap_or(0) > 0, "{v}");
+        assert!(
+            common::processes_mentioning(&sb).is_empty(),
+            "a suspended sandbox keeps no process: {:?}",
+            common::processes_mentioning(&sb)
+        );
+        op_ok(
+            &s,
+            s.post(&format!("/v1/sandboxes/{sb}/resume"), json!({}))
+                .await,
+        )
+        .await;
+        let all: String = (0..=cycle).map(|k| format!("cycle-{k}\n")).collect();
+        let listing: Vec<String> = (0..=cycle).map(|k| format!("/root/f{k}")).collect();
+        let cmd = s.sh(&sb, &format!("cat {}", listing.join(" "))).await;
+        assert_eq!(cmd["stdout"], all, "cycle {cycle}: {cmd}");
+        let cmd = s
+            .sh(
+                &sb,
+                "a=$(cat /tmp/count); while [ \"$(cat /tmp/count)\" = \"$a\" ]; do sleep 0.02; done; echo advanced",
+            )
+            .await;
+        assert_eq!(cmd["stdout"], "advanced\n", "cycle {cycle}: {cmd}");
+    }
+    // The counter kept streaming into its one session, in order, without gaps.
+    let (chunks, _) = s.output(&sb, &counter, "stream=stdout&follow=false").await;
+    let text = String::from_utf8(decode(&chunks, Some("stdout"))).unwrap();
+    let numbers: Vec<u64> = text.lines().filter_map(|l| l.parse().ok()).collect();
+    assert!(numbers.len() > 10, "{text}");
+    assert!(
+        numbers.windows(2).all(|w| w[1] == w[0] + 1),
+        "gap in {numbers:?}"
+    );
+    s.destroy(&sb).await;
+}
+
+async fn a_killed_server_readopts_and_cleans_up(rt: &str) {
+    let Some(mut s) = server(rt).await else {
+        return;
+    };
+    let sb = create(&s, rt, json!({})).await;
+    s.sh(&sb, "echo before > /root/marker").await;
+    s.kill_and_restart();
+    let out = s.sh(&sb, "cat /root/marker").await;
+    assert_eq!(out["stdout"], "before\n", "{out}");
+    s.destroy(&sb).await;
+}
+
+macro_rules! conformance {
+    ($($case:ident),* $(,)?) => {
+        mod gvisor {
+            $(
+                #[tokio::test]
+                async fn $case() {
+                    super::$case("gvisor").await;
+                }
+            )*
+        }
+        mod microvm {
+            $(
+                #[tokio::test]
+                async fn $case() {
+                    super::$case("microvm").await;
+                }
+            )*
+        }
+    };
+}
+
+conformance!(
+    commands_env_exit_codes_and_streams,
+    output_offsets_stdin_signals_and_timeouts,
+    files_round_trip_and_containment,
+    resources_are_applied,
+    pause_and_suspend_cycles_keep_processes_and_files,
+    a_killed_server_readopts_and_cleans_up,
+);
