@@ -19,7 +19,8 @@
 //! <state_dir>/disk.qcow2    the sandbox's disk (kept by stop and checkpoint)
 //! <state_dir>/launch.json   QEMU's argument list (0600: it holds the agent token), for restore
 //! <state_dir>/qemu.pid      QEMU's pid while it runs
-//! <state_dir>/qmp.sock      QMP
+//! <state_dir>/qmp.sock      QMP, for lifecycle operations
+//! <state_dir>/status.sock   QMP, for status and stop (never behind a long operation)
 //! <state_dir>/console.log   the guest's serial console
 //! <state_dir>/qemu.log      QEMU's own messages (stdout and stderr)
 //! <state_root>/<id>         symlink to <state_dir>: how id-only calls find a sandbox
@@ -55,6 +56,9 @@ const DISK_FILE: &str = "disk.qcow2";
 const LAUNCH_FILE: &str = "launch.json";
 const PID_FILE: &str = "qemu.pid";
 const QMP_SOCKET: &str = "qmp.sock";
+/// A second QMP monitor for `status` and `stop`: a QMP socket serves one client at a time,
+/// and these must not wait behind a long checkpoint.
+const STATUS_SOCKET: &str = "status.sock";
 const CONSOLE_LOG: &str = "console.log";
 const QEMU_LOG: &str = "qemu.log";
 /// The memory file of a checkpoint, in its image directory.
@@ -324,7 +328,7 @@ impl MicrovmRuntime {
             args.push("-incoming".into());
             args.push(format!("file:{}", memory.display()).into());
         }
-        for stale in [PID_FILE, QMP_SOCKET] {
+        for stale in [PID_FILE, QMP_SOCKET, STATUS_SOCKET] {
             let _ = std::fs::remove_file(state_dir.join(stale));
         }
         let log_path = state_dir.join(QEMU_LOG);
@@ -430,7 +434,8 @@ impl MicrovmRuntime {
         let state = &spec.state_dir;
         let agent_socket = spec.run_dir.join(AGENT_SOCKET);
         let qmp_socket = state.join(QMP_SOCKET);
-        for socket in [&agent_socket, &qmp_socket] {
+        let status_socket = state.join(STATUS_SOCKET);
+        for socket in [&agent_socket, &qmp_socket, &status_socket] {
             check_socket_path(socket)?;
         }
         let kernel = self.cfg.guest_dir.join(GUEST_KERNEL);
@@ -441,6 +446,7 @@ impl MicrovmRuntime {
             &disk,
             &agent_socket,
             &qmp_socket,
+            &status_socket,
             &state.join(CONSOLE_LOG),
         ] {
             check_qemu_path(path)?;
@@ -503,6 +509,8 @@ impl MicrovmRuntime {
             p(&state.join(PID_FILE)),
             "-qmp".into(),
             format!("unix:{},server=on,wait=off", p(&qmp_socket)),
+            "-qmp".into(),
+            format!("unix:{},server=on,wait=off", p(&status_socket)),
             // Appended to, so a restore keeps what the boot printed.
             "-chardev".into(),
             format!(
@@ -543,14 +551,14 @@ impl MicrovmRuntime {
     /// group after a grace period. Leaves the disk and launch.json.
     async fn kill_vm(&self, id: &str, state_dir: &Path) -> Result<(), RuntimeError> {
         if let Some(pid) = qemu_pid(state_dir) {
-            let qmp_socket = state_dir.join(QMP_SOCKET);
-            if let Ok(mut qmp) = Qmp::connect(&qmp_socket, Duration::from_secs(2)).await {
+            let status_socket = state_dir.join(STATUS_SOCKET);
+            if let Ok(mut qmp) = Qmp::connect(&status_socket, Duration::from_secs(2)).await {
                 // QEMU may close the connection before it answers.
                 let _ = qmp.execute("quit", None).await;
             }
             wait_gone(id, pid, state_dir).await?;
         }
-        for stale in [PID_FILE, QMP_SOCKET] {
+        for stale in [PID_FILE, QMP_SOCKET, STATUS_SOCKET] {
             let _ = std::fs::remove_file(state_dir.join(stale));
         }
         Ok(())
@@ -568,6 +576,7 @@ impl Runtime for MicrovmRuntime {
         check_id(&spec.id)?;
         check_socket_path(&spec.run_dir.join(AGENT_SOCKET))?;
         check_socket_path(&state.join(QMP_SOCKET))?;
+        check_socket_path(&state.join(STATUS_SOCKET))?;
         tokio::fs::create_dir_all(state)
             .await
             .map_err(|e| RuntimeError::io(format!("creating {}", state.display()), e))?;
@@ -666,7 +675,7 @@ impl Runtime for MicrovmRuntime {
                 RuntimeStatus::Missing
             });
         }
-        let mut qmp = Qmp::connect(&dir.join(QMP_SOCKET), QMP_TIMEOUT)
+        let mut qmp = Qmp::connect(&dir.join(STATUS_SOCKET), QMP_TIMEOUT)
             .await
             .map_err(|e| qmp_failed(id, e))?;
         let status = query_status(&mut qmp)
@@ -1006,7 +1015,9 @@ fn host_tsc_khz() -> Option<u64> {
         .parse()
         .ok()?;
     let khz = (mhz * 1000.0).round();
-    (100_000.0..100_000_000.0).contains(&khz).then_some(khz as u64)
+    (100_000.0..100_000_000.0)
+        .contains(&khz)
+        .then_some(khz as u64)
 }
 
 /// Sandbox ids name files of the driver: plain names only.

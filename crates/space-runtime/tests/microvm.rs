@@ -355,6 +355,13 @@ async fn disk_quota_is_the_device_size() {
         .expect("the root disk");
     let size = root["inserted"]["image"]["virtual-size"].as_u64().unwrap();
     assert_eq!(size, (base_mib + 300) << 20);
+    // Status has a monitor of its own: it answers while the main one is busy.
+    let t = Instant::now();
+    assert_eq!(rt.status(id).await.unwrap(), RuntimeStatus::Running);
+    assert!(
+        t.elapsed() < Duration::from_secs(5),
+        "status waited for QMP"
+    );
     drop(qmp);
     // The guest grows its filesystem to the device once booted; its agent says hello after.
     let (_conn, hello) = accept_hello(&vm).await;
