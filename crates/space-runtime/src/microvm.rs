@@ -667,13 +667,13 @@ impl Runtime for MicrovmRuntime {
         let Some(dir) = self.state_dir_of(id)? else {
             return Ok(RuntimeStatus::Missing);
         };
+        if !dir.join(LAUNCH_FILE).exists() {
+            return Ok(RuntimeStatus::Missing);
+        }
         if qemu_pid(&dir).is_none() {
-            // A pid file that outlived its QEMU: it died without cleaning up.
-            return Ok(if dir.join(PID_FILE).exists() {
-                RuntimeStatus::Stopped
-            } else {
-                RuntimeStatus::Missing
-            });
+            // Known (its disk is here) but not running: stopped, checkpointed, or its QEMU
+            // died (a guest panic ends it too: -no-reboot).
+            return Ok(RuntimeStatus::Stopped);
         }
         let mut qmp = Qmp::connect(&dir.join(STATUS_SOCKET), QMP_TIMEOUT)
             .await

@@ -268,6 +268,14 @@ async fn lifecycle_boot_pause_checkpoint_restore_destroy() {
     assert_eq!(hello["token"], vm.token.as_str());
     assert_eq!(rt.status(id).await.unwrap(), RuntimeStatus::Running);
     assert_eq!(rt.list().await.unwrap(), vec![id.to_string()]);
+    // QEMU has a process group of its own: signals to the server's group never reach it.
+    let pids = qemu_processes(&state);
+    assert_eq!(pids.len(), 1, "{pids:?}");
+    // SAFETY: plain syscalls without preconditions.
+    unsafe {
+        assert_eq!(libc::getpgid(pids[0]), pids[0]);
+        assert_ne!(libc::getpgid(pids[0]), libc::getpgid(0));
+    }
     let rss = rt.resident_bytes(id, &state).expect("QEMU's RSS");
     let disk = rt.disk_bytes(id, &state).expect("overlay size");
     eprintln!("rss {} MiB, overlay {} KiB", rss >> 20, disk >> 10);
@@ -281,6 +289,12 @@ async fn lifecycle_boot_pause_checkpoint_restore_destroy() {
     rt.resume(id).await.unwrap();
     eprintln!("pause {paused:?}, resume {:?}", t.elapsed());
     assert_eq!(rt.status(id).await.unwrap(), RuntimeStatus::Running);
+
+    // A new driver on the same directories (a restarted server) finds the VM by itself.
+    let again = MicrovmRuntime::new(rt.config().clone()).unwrap();
+    assert_eq!(again.status(id).await.unwrap(), RuntimeStatus::Running);
+    assert_eq!(again.list().await.unwrap(), vec![id.to_string()]);
+    drop(again);
 
     let image = vm._dir.path().join("snap");
     let t = Instant::now();
@@ -296,7 +310,7 @@ async fn lifecycle_boot_pause_checkpoint_restore_destroy() {
         qemu_processes(&state).is_empty(),
         "QEMU still runs after checkpoint"
     );
-    assert_eq!(rt.status(id).await.unwrap(), RuntimeStatus::Missing);
+    assert_eq!(rt.status(id).await.unwrap(), RuntimeStatus::Stopped);
     assert!(rt.list().await.unwrap().is_empty());
     assert!(state.join("disk.qcow2").is_file(), "the disk stays");
     // The host's end of the old connection sees QEMU go.
@@ -319,6 +333,7 @@ async fn lifecycle_boot_pause_checkpoint_restore_destroy() {
     rt.stop(id, &state).await.unwrap();
     assert!(qemu_processes(&state).is_empty());
     assert!(state.join("disk.qcow2").is_file());
+    assert_eq!(rt.status(id).await.unwrap(), RuntimeStatus::Stopped);
     rt.stop(id, &state).await.unwrap();
     rt.destroy(id, &state).await.unwrap();
     rt.destroy(id, &state).await.unwrap();
@@ -327,7 +342,7 @@ async fn lifecycle_boot_pause_checkpoint_restore_destroy() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn disk_quota_is_the_device_size() {
+async fn disk_quota_is_the_device_size_and_a_killed_vm_is_stopped() {
     let Some(vm) = vm("disk", 300).await else {
         return;
     };
@@ -366,6 +381,19 @@ async fn disk_quota_is_the_device_size() {
     // The guest grows its filesystem to the device once booted; its agent says hello after.
     let (_conn, hello) = accept_hello(&vm).await;
     assert_eq!(hello["sandbox_id"], id);
+
+    // A QEMU that dies under the driver (here: killed) leaves a stopped sandbox.
+    let pids = qemu_processes(&state);
+    assert_eq!(pids.len(), 1, "{pids:?}");
+    // SAFETY: plain syscall on the QEMU this test started.
+    unsafe { libc::kill(pids[0], libc::SIGKILL) };
+    let t = Instant::now();
+    while rt.status(id).await.unwrap() != RuntimeStatus::Stopped {
+        assert!(t.elapsed() < Duration::from_secs(10), "still not stopped");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(rt.list().await.unwrap().is_empty());
+    assert!(rt.resident_bytes(id, &state).is_none());
     rt.destroy(id, &state).await.unwrap();
     assert_nothing_left(&vm);
 }
