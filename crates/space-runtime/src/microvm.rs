@@ -332,11 +332,15 @@ impl MicrovmRuntime {
             let _ = std::fs::remove_file(state_dir.join(stale));
         }
         let log_path = state_dir.join(QEMU_LOG);
-        let log = std::fs::File::create(&log_path)
-            .map_err(|e| RuntimeError::io("creating qemu.log", e))?;
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log_path)
+            .map_err(|e| RuntimeError::io("opening qemu.log", e))?;
+        let before = log.metadata().map(|m| m.len()).unwrap_or(0);
         let log_err = log
             .try_clone()
-            .map_err(|e| RuntimeError::io("creating qemu.log", e))?;
+            .map_err(|e| RuntimeError::io("opening qemu.log", e))?;
         // Its own process group: it outlives the server, and no signal to the server's
         // group reaches it. Not -daemonize: that needs fork after seccomp is on.
         let mut child = Command::new(&self.cfg.qemu)
@@ -356,7 +360,9 @@ impl MicrovmRuntime {
                 .try_wait()
                 .map_err(|e| RuntimeError::io("waiting for qemu", e))?
             {
-                let log = tail_text(&std::fs::read(&log_path).unwrap_or_default(), 1000);
+                let log = std::fs::read(&log_path).unwrap_or_default();
+                let start = usize::try_from(before).unwrap_or(0).min(log.len());
+                let log = tail_text(&log[start..], 1000);
                 return Err(RuntimeError::Tool {
                     tool: "qemu".into(),
                     message: if log.is_empty() {
@@ -577,6 +583,12 @@ impl Runtime for MicrovmRuntime {
         check_socket_path(&spec.run_dir.join(AGENT_SOCKET))?;
         check_socket_path(&state.join(QMP_SOCKET))?;
         check_socket_path(&state.join(STATUS_SOCKET))?;
+        if let Some(pid) = qemu_pid(state) {
+            return Err(RuntimeError::Tool {
+                tool: "qemu".into(),
+                message: format!("microVM {} already runs (QEMU {pid})", spec.id),
+            });
+        }
         tokio::fs::create_dir_all(state)
             .await
             .map_err(|e| RuntimeError::io(format!("creating {}", state.display()), e))?;

@@ -268,6 +268,8 @@ async fn lifecycle_boot_pause_checkpoint_restore_destroy() {
     assert_eq!(hello["token"], vm.token.as_str());
     assert_eq!(rt.status(id).await.unwrap(), RuntimeStatus::Running);
     assert_eq!(rt.list().await.unwrap(), vec![id.to_string()]);
+    let again = rt.create(&vm.spec).await.unwrap_err();
+    assert!(again.to_string().contains("already runs"), "{again}");
     // QEMU has a process group of its own: signals to the server's group never reach it.
     let pids = qemu_processes(&state);
     assert_eq!(pids.len(), 1, "{pids:?}");
