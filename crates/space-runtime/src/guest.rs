@@ -72,6 +72,39 @@ impl GuestFiles {
     }
 }
 
+/// The host's TSC frequency in kHz (rounded to whole MHz), measured against the monotonic
+/// clock; `None` where there is no usable TSC.
+///
+/// Under TCG the guest reads the host's TSC, and Debian's kernel calibrates it against the
+/// emulated PIT, which fails now and then on a busy host (measured: 3 boots in 8); the
+/// kernel then waits for timer ticks that never come and hangs before `/init`. A driver
+/// using TCG passes `tsc_early_khz=<this>` on the kernel command line, which skips that
+/// calibration (0 hangs in 10 boots).
+pub fn host_tsc_khz() -> Option<u64> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let sample = || {
+            let start = std::time::Instant::now();
+            // SAFETY: rdtsc has no preconditions on x86-64.
+            let t0 = unsafe { core::arch::x86_64::_rdtsc() };
+            std::thread::sleep(std::time::Duration::from_millis(25));
+            // SAFETY: as above.
+            let t1 = unsafe { core::arch::x86_64::_rdtsc() };
+            let nanos = start.elapsed().as_nanos() as u64;
+            let ticks = u128::from(t1.checked_sub(t0)?);
+            u64::try_from(ticks * 1_000_000 / u128::from(nanos.max(1))).ok()
+        };
+        // The lower of two samples: a preemption between the two reads only inflates one.
+        let khz = sample()?.min(sample()?);
+        let mhz = (khz + 500) / 1000;
+        (mhz >= 100).then_some(mhz * 1000)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        None
+    }
+}
+
 /// Writes `out`: the bytes of `base`, zero padding to a 4-byte boundary (the kernel looks
 /// for a following archive only at such an offset), then an uncompressed newc archive with
 /// `/space-agent` (the bytes of `agent`, mode 0755) and the trailer. Atomic: `out` is
@@ -295,6 +328,14 @@ mod tests {
         let count = fs::read_dir(&dir).unwrap().count();
         assert_eq!(count, 3, "a temporary file was left behind");
         fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn host_tsc_is_measured() {
+        if let Some(khz) = host_tsc_khz() {
+            assert!((100_000..20_000_000).contains(&khz), "{khz} kHz");
+            assert_eq!(khz % 1000, 0);
+        }
     }
 
     #[test]
