@@ -79,12 +79,15 @@ fn guest() -> Result<(PathBuf, PathBuf), String> {
     Ok((dir.canonicalize().unwrap(), agent.canonicalize().unwrap()))
 }
 
-async fn busybox() -> PathBuf {
+/// The template the tests boot (busybox unless `SPACE_TEST_MICROVM_TEMPLATE` says).
+async fn template() -> PathBuf {
     let root = std::env::var_os("SPACE_TEST_TEMPLATES")
         .map(PathBuf::from)
         .unwrap_or_else(|| workspace().join("target/space-test-templates"));
     let store = TemplateStore::new(root).unwrap();
-    store.ensure("busybox", &|_| {}).await.unwrap().rootfs
+    // SPACE_TEST_MICROVM_TEMPLATE=debian runs the same tests on a Debian root.
+    let name = std::env::var("SPACE_TEST_MICROVM_TEMPLATE").unwrap_or_else(|_| "busybox".into());
+    store.ensure(&name, &|_| {}).await.unwrap().rootfs
 }
 
 /// One sandbox's host side: the runtime, its spec and the agent's listening socket.
@@ -117,7 +120,7 @@ async fn vm(tag: &str, disk_mib: u64) -> Option<Vm> {
     let listener = UnixListener::bind(run_dir.join("agent.sock")).unwrap();
     let spec = SandboxSpec {
         id: id.clone(),
-        rootfs: busybox().await,
+        rootfs: template().await,
         state_dir: dir.path().join("sb"),
         run_dir,
         agent_dir: agent.parent().unwrap().to_path_buf(),
@@ -423,7 +426,7 @@ async fn unknown_sandboxes_and_bad_paths() {
     fs::write(deep.join("token"), "abc").unwrap();
     let spec = SandboxSpec {
         id: "sb_deep".into(),
-        rootfs: busybox().await,
+        rootfs: template().await,
         state_dir: dir.path().join("sb"),
         run_dir: deep,
         agent_dir: dir.path().to_path_buf(),
