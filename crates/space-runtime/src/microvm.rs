@@ -1028,34 +1028,15 @@ async fn wait_gone(id: &str, pid: i32, state_dir: &Path) -> Result<(), RuntimeEr
     Ok(())
 }
 
-/// The host's TSC frequency in kHz: TCG hands the guest the host's TSC, and a guest that
-/// is told its rate neither hangs calibrating it against an emulated PIT nor drifts. Only
-/// with a constant-rate TSC; measured against the monotonic clock over 20 ms (0.1 % is
-/// plenty: the guest's clock is as good as that ratio).
+/// The host's TSC frequency in kHz ([`crate::guest::host_tsc_khz`]): TCG hands the guest
+/// the host's TSC, and a guest told its rate neither hangs calibrating it against the emulated
+/// PIT nor drifts. Only with a constant-rate TSC (else `tsc=reliable` would be a lie).
 fn host_tsc_khz() -> Option<u64> {
     let info = std::fs::read_to_string("/proc/cpuinfo").ok()?;
     if !info.contains(" constant_tsc") {
         return None;
     }
-    measure_tsc_khz()
-}
-
-#[cfg(target_arch = "x86_64")]
-fn measure_tsc_khz() -> Option<u64> {
-    // SAFETY: RDTSC has no preconditions on x86-64.
-    let rdtsc = || unsafe { core::arch::x86_64::_rdtsc() };
-    let (t0, c0) = (Instant::now(), rdtsc());
-    std::thread::sleep(Duration::from_millis(20));
-    let (c1, elapsed) = (rdtsc(), t0.elapsed());
-    let khz = (c1.wrapping_sub(c0) as f64 / elapsed.as_secs_f64() / 1000.0).round();
-    (100_000.0..100_000_000.0)
-        .contains(&khz)
-        .then_some(khz as u64)
-}
-
-#[cfg(not(target_arch = "x86_64"))]
-fn measure_tsc_khz() -> Option<u64> {
-    None
+    crate::guest::host_tsc_khz()
 }
 
 /// Sandbox ids name files of the driver: plain names only.
