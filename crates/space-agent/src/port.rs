@@ -12,6 +12,11 @@
 //! agent's next Hello arrives on the host's old connection. A host must therefore drop the
 //! connection on any protocol error; QEMU (`reconnect`) then connects again and the agent,
 //! which retries its handshake every `HANDSHAKE_TIMEOUT`, greets the new connection.
+//!
+//! tokio keeps a descriptor's "closed" readiness forever once epoll reported a hangup, so
+//! a port is registered with tokio only once the host is there (until then its state is
+//! polled, see [`HOST_POLL`]), and any hangup seen afterwards ends the connection: a port
+//! is never reused across host connections.
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -24,6 +29,10 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 /// Readiness is edge-triggered; a missed edge costs at most this long.
 const RECHECK: Duration = Duration::from_secs(1);
+/// How often a port waiting for its host looks again. epoll reports the hangup on every
+/// wait while the host is away, so there is no wakeup to wait for; the host (QEMU's
+/// `reconnect`) takes a second or more anyway.
+const HOST_POLL: Duration = Duration::from_millis(25);
 
 /// An open virtio-serial port.
 pub struct Port {
@@ -33,12 +42,17 @@ pub struct Port {
 impl Port {
     /// Opens the port at `path` and waits until the host end is connected.
     pub async fn connect(path: &str) -> io::Result<Port> {
-        let port = Port::open(path)?;
-        port.wait_for_host().await?;
-        Ok(port)
+        let fd = Port::open(path)?;
+        while !host_connected(&fd)? {
+            tokio::time::sleep(HOST_POLL).await;
+        }
+        // SAFETY: the OwnedFd stays open, and the same descriptor, for as long as the AsyncFd
+        // owns it.
+        let fd = unsafe { AsyncFd::register(fd) }?;
+        Ok(Port { fd })
     }
 
-    fn open(path: &str) -> io::Result<Port> {
+    fn open(path: &str) -> io::Result<OwnedFd> {
         let c_path = std::ffi::CString::new(path)
             .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "port path has a NUL"))?;
         // SAFETY: a valid C string; the flags ask for a new descriptor we then own.
@@ -52,40 +66,11 @@ impl Port {
             return Err(io::Error::last_os_error());
         }
         // SAFETY: `raw` is a fresh descriptor nothing else owns.
-        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-        // SAFETY: the OwnedFd stays open, and the same descriptor, for as long as the AsyncFd
-        // owns it.
-        let fd = unsafe { AsyncFd::register(fd) }?;
-        Ok(Port { fd })
+        Ok(unsafe { OwnedFd::from_raw_fd(raw) })
     }
 
-    /// What `poll` says about the port right now.
     fn revents(&self) -> io::Result<libc::c_short> {
-        let mut pfd = libc::pollfd {
-            fd: self.fd.get_ref().as_raw_fd(),
-            events: libc::POLLIN | libc::POLLOUT,
-            revents: 0,
-        };
-        // SAFETY: one pollfd we own; a zero timeout never blocks.
-        let n = unsafe { libc::poll(&mut pfd, 1, 0) };
-        if n < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(pfd.revents)
-    }
-
-    /// Waits until the host end of the port is connected (writable, no hangup).
-    async fn wait_for_host(&self) -> io::Result<()> {
-        loop {
-            let guard = tokio::time::timeout(RECHECK, self.fd.writable()).await;
-            let revents = self.revents()?;
-            if revents & libc::POLLHUP == 0 && revents & libc::POLLOUT != 0 {
-                return Ok(());
-            }
-            if let Ok(guard) = guard {
-                guard?.clear_ready();
-            }
-        }
+        revents(self.fd.get_ref())
     }
 
     /// Waits until the host has sent something, without consuming it; false when the host
@@ -100,6 +85,7 @@ impl Port {
                 Err(_) => return false,
             }
             match guard {
+                Ok(Ok(guard)) if guard.ready().is_read_closed() => return false,
                 Ok(Ok(mut guard)) => guard.clear_ready(),
                 Ok(Err(_)) => return false,
                 Err(_) => {}
@@ -110,6 +96,27 @@ impl Port {
     fn hung_up(&self) -> bool {
         matches!(self.revents(), Ok(r) if r & (libc::POLLHUP | libc::POLLERR) != 0)
     }
+}
+
+/// What `poll` says about the port right now.
+fn revents(fd: &OwnedFd) -> io::Result<libc::c_short> {
+    let mut pfd = libc::pollfd {
+        fd: fd.as_raw_fd(),
+        events: libc::POLLIN | libc::POLLOUT,
+        revents: 0,
+    };
+    // SAFETY: one pollfd we own; a zero timeout never blocks.
+    let n = unsafe { libc::poll(&mut pfd, 1, 0) };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(pfd.revents)
+}
+
+/// Whether the host end is connected: no hangup, and writable.
+fn host_connected(fd: &OwnedFd) -> io::Result<bool> {
+    let r = revents(fd)?;
+    Ok(r & libc::POLLHUP == 0 && r & libc::POLLOUT != 0)
 }
 
 impl AsyncRead for Port {
@@ -144,6 +151,9 @@ impl AsyncRead for Port {
                 }
                 Ok(Err(e)) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Ok(Err(e)) => return Poll::Ready(Err(e)),
+                // The host hung up and came back before we read the end of file: this
+                // connection is over all the same (and the readiness would never clear).
+                Err(_would_block) if guard.ready().is_read_closed() => return Poll::Ready(Ok(())),
                 Err(_would_block) => continue,
             }
         }
@@ -174,7 +184,7 @@ impl AsyncWrite for Port {
                 Ok(Err(e)) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Ok(Err(e)) => return Poll::Ready(Err(e)),
                 // A write blocks while the host end is away; that is a broken pipe to us.
-                Err(_would_block) if self.hung_up() => {
+                Err(_would_block) if guard.ready().is_write_closed() || self.hung_up() => {
                     return Poll::Ready(Err(io::Error::from(io::ErrorKind::BrokenPipe)))
                 }
                 Err(_would_block) => continue,
