@@ -427,6 +427,31 @@ async fn guest_boots_the_agent_grows_the_disk_and_survives_a_reconnect() {
     let out = conn.run("cmd_2", "echo again").await;
     assert_eq!(text(&out.stdout), "again\n");
 
+    // An agent that drops the connection itself (quiesce, a keepalive timeout): QEMU keeps
+    // the host's socket open, so the agent's next hello arrives on the old connection, where
+    // HTTP/2 fails; the host drops it, QEMU connects again and the agent greets that.
+    let quiesced = Instant::now();
+    let req = Request::builder()
+        .method(Method::POST)
+        .uri("http://agent/v1/quiesce")
+        .body(Full::new(Bytes::new()).boxed())
+        .expect("request");
+    within("ready", WAIT, conn.send.ready())
+        .await
+        .expect("ready");
+    let _ = within("quiesce", WAIT, conn.send.send_request(req)).await;
+    within("the old connection to fail", WAIT, &mut conn.task)
+        .await
+        .expect("connection task");
+    drop(conn);
+    let mut conn = accept(&listener, &token, WAIT).await;
+    println!(
+        "after the agent dropped the connection, a new one {:.2} s later",
+        quiesced.elapsed().as_secs_f64()
+    );
+    let out = conn.run("cmd_3", "echo back").await;
+    assert_eq!(text(&out.stdout), "back\n");
+
     // Killing QEMU leaves nothing behind.
     conn.task.abort();
     drop(conn);
