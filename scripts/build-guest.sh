@@ -104,8 +104,13 @@ if [ -z "$deb" ]; then
   say "downloading $kpkg $kver"
   # Old kernels in the cache are useless once the version moved on.
   find "$cache" -maxdepth 1 -name 'linux-image-*.deb' -delete
-  (cd "$work" && apt-get download -q "$kpkg=$kver" >/dev/null 2>"$work/apt.err") \
-    || { cat "$work/apt.err" >&2; die "apt-get download $kpkg=$kver failed"; }
+  if ! (cd "$work" && apt-get download -q "$kpkg=$kver" >/dev/null 2>"$work/apt.err"); then
+    # Stale package lists name a kernel the mirror no longer has: refresh them and say so
+    # (the next run picks up the new version; this one must not silently switch).
+    cat "$work/apt.err" >&2
+    [ "$(id -u)" -ne 0 ] || apt_update
+    die "apt-get download $kpkg=$kver failed; if the package lists were stale, run this again"
+  fi
   deb="$(find "$work" -maxdepth 1 -name "${kpkg}_*.deb" -print -quit)"
   [ -n "$deb" ] || die "apt-get download left no .deb"
   mv "$deb" "$cache/"
