@@ -491,6 +491,7 @@ mod tests {
                 template: "busybox".into(),
                 template_version: "1".into(),
                 runtime: "gvisor".into(),
+                accelerator: None,
                 labels: Default::default(),
                 resources: Resources::default(),
                 env: Default::default(),

@@ -9,6 +9,7 @@
 //!    success, and the snapshot's size (`cost.snapshot_bytes`).
 //! 3. exec round trip: `POST …/commands {"argv":["true"],"wait":true}`, p50/p95;
 //!    raw `runsc exec … /bin/true` for gvisor.
+//!
 //! Timings are printed, never asserted. Needs the guest files (scripts/setup.sh).
 
 #[path = "../tests/common/mod.rs"]
@@ -81,7 +82,10 @@ fn qemu_argv(sb: &str) -> Vec<String> {
 /// serial console on a pipe, timed from spawn to the kernel starting /init.
 fn raw_qemu_boot(ours: &[String]) -> Duration {
     let value = |flag: &str| {
-        let i = ours.iter().position(|a| a == flag).unwrap_or_else(|| panic!("{flag} in {ours:?}"));
+        let i = ours
+            .iter()
+            .position(|a| a == flag)
+            .unwrap_or_else(|| panic!("{flag} in {ours:?}"));
         ours[i + 1].clone()
     };
     let append = value("-append");
@@ -90,9 +94,22 @@ fn raw_qemu_boot(ours: &[String]) -> Duration {
         .filter(|p| *p != "quiet" && !p.starts_with("space."))
         .collect();
     let mut child = Command::new(&ours[0])
-        .args(["-M", &value("-M"), "-accel", &value("-accel"), "-cpu", &value("-cpu")])
+        .args([
+            "-M",
+            &value("-M"),
+            "-accel",
+            &value("-accel"),
+            "-cpu",
+            &value("-cpu"),
+        ])
         .args(["-m", &value("-m"), "-smp", "1"])
-        .args(["-nodefaults", "-no-user-config", "-display", "none", "-no-reboot"])
+        .args([
+            "-nodefaults",
+            "-no-user-config",
+            "-display",
+            "none",
+            "-no-reboot",
+        ])
         .args(["-serial", "stdio"])
         .args(["-kernel", &value("-kernel"), "-initrd", &value("-initrd")])
         .args(["-append", &cmdline.join(" ")])
@@ -208,8 +225,14 @@ fn main() {
         q,
         v / q
     );
-    println!("{:<34} {:>11} {:>12} {:>13} {:>14}", "  (raw qemu: to the kernel's /init)", "", "", "", "");
-    for (metric, map) in [("suspend (n=2)", &suspend), ("resume from snapshot (n=2)", &resume)] {
+    println!(
+        "{:<34} {:>11} {:>12} {:>13} {:>14}",
+        "  (raw qemu: to the kernel's /init)", "", "", "", ""
+    );
+    for (metric, map) in [
+        ("suspend (n=2)", &suspend),
+        ("resume from snapshot (n=2)", &resume),
+    ] {
         println!(
             "{:<34} {:>8.1} ms {:>12} {:>10.1} ms {:>14}",
             metric,
