@@ -67,9 +67,11 @@ pub const MEMORY_FILE: &str = "memory";
 const AGENT_SOCKET: &str = "agent.sock";
 /// Device id of the agent's port (QEMU names it in `VSERPORT_CHANGE` events).
 const AGENT_PORT_ID: &str = "agentport";
+/// How long a booting guest may take to start its agent (TCG on a loaded host: 15 s seen).
+const AGENT_OPEN_TIMEOUT: Duration = Duration::from_secs(120);
 /// How long a restored guest may take to notice that the host went away.
 const AGENT_HANGUP_TIMEOUT: Duration = Duration::from_secs(10);
-/// Where a restoring VM's agent port points until the guest saw the host go (nobody listens).
+/// Where a VM's agent port points until the guest is ready for the host (nobody listens).
 const DETACHED_SOCKET: &str = "detached.sock";
 const AGENT_CHARDEV_PREFIX: &str = "socket,id=agent,";
 /// How often QEMU dials the host's agent socket while it is not connected.
@@ -315,17 +317,19 @@ impl MicrovmRuntime {
             .into_iter()
             .map(OsString::from)
             .collect();
+        // The agent's port starts off the host (a socket nobody listens on) and is connected
+        // only when the guest is ready for it: at boot once the agent opened the port
+        // ([`wait_agent_open`]), after a restore once the guest saw the host go
+        // ([`reattach_agent`]). The host's server never holds a connection nobody answers.
+        let detached = state_dir.join(DETACHED_SOCKET);
+        check_socket_path(&detached)?;
+        for a in args.iter_mut() {
+            if a.to_string_lossy().starts_with(AGENT_CHARDEV_PREFIX) {
+                *a = agent_chardev(&detached).into();
+            }
+        }
         if let Some(memory) = incoming {
             check_qemu_path(memory)?;
-            // The agent's port starts off the host (a socket nobody listens on); `restore`
-            // connects it once the guest has seen the host go. See [`Self::reattach_agent`].
-            let detached = state_dir.join(DETACHED_SOCKET);
-            check_socket_path(&detached)?;
-            for a in args.iter_mut() {
-                if a.to_string_lossy().starts_with(AGENT_CHARDEV_PREFIX) {
-                    *a = agent_chardev(&detached).into();
-                }
-            }
             // Stay stopped after the load: the driver says `cont` once it is complete.
             args.push("-S".into());
             args.push("-incoming".into());
@@ -623,10 +627,29 @@ impl Runtime for MicrovmRuntime {
             &serde_json::to_vec(&args).unwrap_or_default(),
         )?;
         self.set_marker(&spec.id, state)?;
+        let agent_socket = agent_socket_of(state)?;
         let started = async {
             let mut qmp = self.launch(&spec.id, state, None).await?;
             self.wait_status(&spec.id, &mut qmp, &["running"], START_TIMEOUT)
+                .await?;
+            let opened = wait_agent_open(&mut qmp).await;
+            let opened = opened.and_then(|open| {
+                open.then_some(())
+                    .ok_or(QmpError::Timeout(AGENT_OPEN_TIMEOUT))
+            });
+            if let Err(e) = opened {
+                return Err(RuntimeError::Tool {
+                    tool: "qemu".into(),
+                    message: format!(
+                        "microVM {}: the guest's agent did not open its port ({e}); console: {}",
+                        spec.id,
+                        console_tail(state)
+                    ),
+                });
+            }
+            attach_agent(&mut qmp, &agent_socket)
                 .await
+                .map_err(|e| qmp_failed(&spec.id, e))
         }
         .await;
         if let Err(e) = started {
@@ -856,6 +879,34 @@ fn agent_socket_of(state_dir: &Path) -> Result<String, RuntimeError> {
         })
 }
 
+/// Waits until the booting guest's agent opens its port (true), or [`AGENT_OPEN_TIMEOUT`]
+/// passes (false). A guest whose /init fails powers off, which ends QEMU: an error here.
+async fn wait_agent_open(qmp: &mut Qmp) -> Result<bool, QmpError> {
+    let start = Instant::now();
+    let mut delay = Duration::from_millis(5);
+    loop {
+        if agent_port_open(qmp).await? {
+            return Ok(true);
+        }
+        if start.elapsed() > AGENT_OPEN_TIMEOUT {
+            return Ok(false);
+        }
+        tokio::time::sleep(delay).await;
+        delay = (delay * 2).min(Duration::from_millis(50));
+    }
+}
+
+/// Whether the guest has the agent's port open (QEMU's `frontend-open` of its chardev).
+async fn agent_port_open(qmp: &mut Qmp) -> Result<bool, QmpError> {
+    let chardevs = qmp.execute("query-chardev", None).await?;
+    Ok(chardevs.as_array().is_some_and(|list| {
+        list.iter().any(|c| {
+            c.get("label").and_then(Value::as_str) == Some("agent")
+                && c.get("frontend-open").and_then(Value::as_bool) == Some(true)
+        })
+    }))
+}
+
 /// Connects a restored guest's agent port to the host so that its agent starts afresh.
 ///
 /// The snapshot remembers the host as connected, and the guest's agent is in the middle of
@@ -878,13 +929,7 @@ async fn reattach_agent(qmp: &mut Qmp, socket: &str) -> Result<(), QmpError> {
     let start = Instant::now();
     let mut changes = 0;
     loop {
-        let chardevs = qmp.execute("query-chardev", None).await?;
-        let open = chardevs.as_array().is_some_and(|list| {
-            list.iter().any(|c| {
-                c.get("label").and_then(Value::as_str) == Some("agent")
-                    && c.get("frontend-open").and_then(Value::as_bool) == Some(true)
-            })
-        });
+        let open = agent_port_open(qmp).await?;
         changes += qmp.take_events(is_port_change);
         if !open || changes >= 2 {
             break;
@@ -1105,6 +1150,16 @@ fn qmp_failed(id: &str, e: QmpError) -> RuntimeError {
         tool: "qemu qmp".into(),
         message: format!("microVM {id}: {e}"),
     }
+}
+
+/// The end of a sandbox's serial console, for error messages (the guest's own words).
+fn console_tail(state_dir: &Path) -> String {
+    let log = std::fs::read(state_dir.join(CONSOLE_LOG)).unwrap_or_default();
+    let text = tail_text(&log, 600);
+    // Guest bytes: printable only.
+    text.chars()
+        .map(|c| if c.is_control() && c != '\n' { '?' } else { c })
+        .collect()
 }
 
 /// The last `max` bytes of a tool's output as trimmed text.
