@@ -8,8 +8,12 @@
 //! disk is a qcow2 overlay in the sandbox's state directory on top of a cached ext4 image of
 //! the template ([`image`]); its virtual size is the sandbox's disk quota. The agent's byte
 //! stream is a virtio-serial port named `space.agent` whose host end is a Unix socket client
-//! of `run_dir/agent.sock` (the same server socket as for gVisor), reconnecting when the
-//! server restarts. There is no network device at all.
+//! of `run_dir/agent.sock` (the same server socket as for gVisor), redialling when the
+//! server restarts. QEMU dials only once the guest is ready for the host: it starts pointed
+//! at a socket nobody listens on and is switched over (`chardev-change`) when the booting
+//! guest's agent opened the port, or when a restored guest saw the old host go (see
+//! `reattach_agent`), so the agent always begins a connection with a fresh hello. There is
+//! no network device at all.
 //!
 //! QEMU runs in its own process group (it outlives a restart of the server; not
 //! `-daemonize`, which forks after the seccomp filter forbids it), with a pid file and a QMP
@@ -23,6 +27,7 @@
 //! <state_dir>/status.sock   QMP, for status and stop (never behind a long operation)
 //! <state_dir>/console.log   the guest's serial console
 //! <state_dir>/qemu.log      QEMU's own messages (stdout and stderr)
+//! <state_dir>/detached.sock never exists: where the agent's port points while off the host
 //! <state_root>/<id>         symlink to <state_dir>: how id-only calls find a sandbox
 //! <image_dir>/memory        a checkpoint's memory and device state (QEMU migration stream)
 //! ```

@@ -185,7 +185,7 @@ fn rootfs_key(rootfs: &Path) -> Result<String, RuntimeError> {
     Ok(hex16(&h.finalize()))
 }
 
-/// Image size for a tree of `bytes`: 1.2 × its size plus [`IMAGE_SLACK_MIB`], whole MiB.
+/// Image size for a tree of `bytes`: 1.2 × its size plus 64 MiB, in whole MiB.
 pub fn image_mib(bytes: u64) -> u64 {
     let mib = bytes.div_ceil(1 << 20);
     mib + mib.div_ceil(5) + IMAGE_SLACK_MIB
