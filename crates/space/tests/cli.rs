@@ -206,12 +206,29 @@ fn pane(session: &str) -> String {
 
 /// Waits until the pane shows `want`.
 async fn pane_shows(session: &str, want: &str) {
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
     while !pane(session).contains(want) {
         assert!(
             std::time::Instant::now() < deadline,
             "pane never showed {want:?}:\n{}",
             pane(session)
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+}
+
+/// Waits until the pane's last non-empty line is `want` (trailing spaces aside).
+async fn last_line_is(session: &str, want: &str) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        let p = pane(session);
+        let last = p.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("");
+        if last.trim_end() == want {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the pane's last line never became {want:?}:\n{p}"
         );
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     }
@@ -262,13 +279,19 @@ async fn exec_tty_behaves_like_ssh() {
         "for i in $(seq 1 200); do ps | grep -q '[s]leep 300' && exit 0; sleep 0.05; done; exit 1";
     assert_eq!(s.sh(&sb, running).await["result"]["exit_code"], 0);
     keys(&session, &["C-c"]);
+    // Each line is typed once the shell shows its prompt again: busybox's line editor
+    // may drop what was typed ahead while it was not reading (like any raw-mode shell).
+    last_line_is(&session, "~ #").await;
     keys(&session, &["echo still-here", "Enter"]);
     pane_shows(&session, "still-here\n").await;
+    last_line_is(&session, "~ #").await;
     // Arrow keys: up recalls the last command line in the sandbox's shell.
-    keys(&session, &["clear", "Enter"]);
     keys(&session, &["echo recalled", "Enter"]);
-    keys(&session, &["Up", "Enter"]);
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    last_line_is(&session, "~ #").await;
+    keys(&session, &["Up"]);
+    last_line_is(&session, "~ # echo recalled").await;
+    keys(&session, &["Enter"]);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
     while pane(&session).matches("recalled").count() < 4 {
         assert!(std::time::Instant::now() < deadline, "{}", pane(&session));
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;

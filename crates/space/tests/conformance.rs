@@ -74,6 +74,11 @@ async fn commands_env_exit_codes_and_streams(rt: &str) {
     let text = out["stdout"].as_str().unwrap();
     assert!(text.contains("space-agent"), "{out}");
     assert!(text.ends_with("0\n"), "zombies left: {out}");
+    // No network device but loopback.
+    let out = s
+        .sh(&sb, "tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d ' '")
+        .await;
+    assert_eq!(out["stdout"], "lo\n", "{out}");
     s.destroy(&sb).await;
 }
 
@@ -310,6 +315,36 @@ async fn a_killed_server_readopts_and_cleans_up(rt: &str) {
     s.destroy(&sb).await;
 }
 
+async fn a_crash_right_after_the_checkpoint_is_a_finished_suspend(rt: &str) {
+    let Some(mut s) = server(rt).await else {
+        return;
+    };
+    let sb = create(&s, rt, json!({})).await;
+    s.sh(&sb, "echo kept > /root/marker").await;
+    s.kill9();
+    s.env = vec![("SPACE_FAILPOINT".into(), "suspend:after_checkpoint".into())];
+    s.restart();
+    let (st, op) = s
+        .post(&format!("/v1/sandboxes/{sb}/suspend"), json!({}))
+        .await;
+    assert_eq!(st, 202, "{op}");
+    s.wait_exit();
+    s.env.clear();
+    s.restart();
+    let op = s.wait_op(op["id"].as_str().unwrap()).await;
+    assert_eq!(op["status"], "succeeded", "{op}");
+    let (_, v) = s.get(&format!("/v1/sandboxes/{sb}")).await;
+    assert_eq!(v["state"], "suspended", "{v}");
+    op_ok(
+        &s,
+        s.post(&format!("/v1/sandboxes/{sb}/resume"), json!({}))
+            .await,
+    )
+    .await;
+    assert_eq!(s.sh(&sb, "cat /root/marker").await["stdout"], "kept\n");
+    s.destroy(&sb).await;
+}
+
 macro_rules! conformance {
     ($($case:ident),* $(,)?) => {
         mod gvisor {
@@ -338,4 +373,5 @@ conformance!(
     resources_are_applied,
     pause_and_suspend_cycles_keep_processes_and_files,
     a_killed_server_readopts_and_cleans_up,
+    a_crash_right_after_the_checkpoint_is_a_finished_suspend,
 );

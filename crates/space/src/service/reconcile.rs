@@ -13,9 +13,12 @@ use space_store::SandboxRecord;
 
 use super::{lock, new_operation, Service};
 
-/// A snapshot the runtime finished writing.
+/// A snapshot the runtime finished writing: gVisor's `checkpoint.img`, or the microVM's
+/// memory file (written under another name and renamed into place when complete).
 fn snapshot_complete(dir: &std::path::Path) -> bool {
-    std::fs::metadata(dir.join("checkpoint.img")).is_ok_and(|m| m.len() > 0)
+    ["checkpoint.img", space_runtime::microvm::MEMORY_FILE]
+        .iter()
+        .any(|f| std::fs::metadata(dir.join(f)).is_ok_and(|m| m.len() > 0))
 }
 
 impl Service {
