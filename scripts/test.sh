@@ -19,3 +19,8 @@ target/debug/space admin prepare-template debian --templates-dir "$SPACE_TEST_TE
 # unavailable fails the run instead of being skipped.
 export SPACE_TEST_REQUIRE_RUNTIMES=gvisor,microvm
 cargo test --workspace --no-fail-fast -- --test-threads 4
+
+# Whole suites again with every sandbox on the microVM runtime (see docs/RUNTIMES.md for
+# the suites not repeated here, and why).
+SPACE_TEST_RUNTIME=microvm cargo test -p space --test files --test disk --test restart --test cli \
+  --no-fail-fast -- --test-threads 3

@@ -625,7 +625,11 @@ impl Runtime for MicrovmRuntime {
         check_qemu_path(&base)?;
         let disk = state.join(DISK_FILE);
         if !disk.exists() {
-            image::overlay(&self.cfg.qemu_img, &base, &disk, base_mib + disk_mib).await?;
+            // The guest grows its filesystem to the overlay's size: what it can write is the
+            // image's own free space plus the growth, so the growth makes up the rest of the quota.
+            let free_mib = image::ext4_free_mib(&base).await.unwrap_or(0);
+            let size_mib = base_mib.saturating_sub(free_mib) + disk_mib;
+            image::overlay(&self.cfg.qemu_img, &base, &disk, size_mib.max(base_mib)).await?;
         }
         write_private(
             &state.join(LAUNCH_FILE),

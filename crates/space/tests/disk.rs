@@ -6,8 +6,15 @@ mod common;
 use common::TestServer;
 use serde_json::{json, Value};
 
+/// The sandbox's writable layer on the host: gVisor's ext4 image, or the microVM's
+/// qcow2 overlay.
 fn disk_image(s: &TestServer, sb: &str) -> std::path::PathBuf {
-    s.data_dir().join("sandboxes").join(sb).join("disk.img")
+    let dir = s.data_dir().join("sandboxes").join(sb);
+    ["disk.img", "disk.qcow2"]
+        .iter()
+        .map(|f| dir.join(f))
+        .find(|p| p.exists())
+        .unwrap_or_else(|| dir.join("disk.img"))
 }
 
 /// Bytes the (sparse) image really takes on the host.

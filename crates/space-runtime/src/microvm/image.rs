@@ -185,6 +185,31 @@ fn rootfs_key(rootfs: &Path) -> Result<String, RuntimeError> {
     Ok(hex16(&h.finalize()))
 }
 
+/// Free space of the ext4 filesystem in `image`, MiB (from its superblock; `None` when
+/// `dumpe2fs` cannot tell).
+pub async fn ext4_free_mib(image: &Path) -> Option<u64> {
+    let out = tokio::process::Command::new("dumpe2fs")
+        .arg("-h")
+        .arg(image)
+        .stdin(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .output()
+        .await
+        .ok()?;
+    if !out.status.success() {
+        return None;
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    let field = |name: &str| -> Option<u64> {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.trim().parse().ok())
+    };
+    let free = field("Free blocks:")?;
+    let block = field("Block size:")?;
+    Some(free.saturating_mul(block) >> 20)
+}
+
 /// Image size for a tree of `bytes`: 1.2 × its size plus 64 MiB, in whole MiB.
 pub fn image_mib(bytes: u64) -> u64 {
     let mib = bytes.div_ceil(1 << 20);

@@ -251,7 +251,12 @@ impl TestServer {
         self.create_with(json!({ "template": template })).await
     }
 
-    pub async fn create_with(&self, body: Value) -> String {
+    /// Creates a sandbox and waits for it. `SPACE_TEST_RUNTIME` (e.g. `microvm`) runs
+    /// the sandboxes of a suite on another runtime when the body names none.
+    pub async fn create_with(&self, mut body: Value) -> String {
+        if let (Ok(rt), Some(obj)) = (std::env::var("SPACE_TEST_RUNTIME"), body.as_object_mut()) {
+            obj.entry("runtime").or_insert(json!(rt));
+        }
         let (status, op) = self.post("/v1/sandboxes", body).await;
         assert_eq!(status, 202, "{op}");
         assert_eq!(op["kind"], "create");
