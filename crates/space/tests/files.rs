@@ -305,19 +305,22 @@ async fn tar_round_trip_keeps_modes_owners_and_odd_names() {
         "cd /tmp && for i in $(seq 300); do mkdir d && cd d; done; echo x > f",
     )
     .await;
+    // The client sees the connection end early: before the response head when the
+    // failure comes fast, or in the middle of the body.
     let resp = s
         .req(
             reqwest::Method::GET,
             &format!("/v1/sandboxes/{sb}/files?path=/tmp/d&format=tar"),
         )
         .send()
-        .await
-        .expect("deep download");
-    assert_eq!(resp.status(), 200);
-    assert!(
-        resp.bytes().await.is_err(),
-        "a cut-off tar must not read as complete"
-    );
+        .await;
+    if let Ok(resp) = resp {
+        assert_eq!(resp.status(), 200);
+        assert!(
+            resp.bytes().await.is_err(),
+            "a cut-off tar must not read as complete"
+        );
+    }
 
     let (st, h, body) = fetch(&s, &sb, "path=/dst&format=tar").await;
     assert_eq!(st, 200);
