@@ -3,6 +3,7 @@
 mod api;
 mod cli;
 mod cli_files;
+mod doctor;
 mod service;
 mod tty;
 
@@ -57,6 +58,15 @@ enum Cmd {
         /// How many levels to descend.
         #[arg(long, short, default_value_t = 1)]
         depth: u32,
+    },
+    /// Check this host: runsc, KVM, QEMU and the guest, cgroups, loop devices, disk, tools.
+    Doctor {
+        #[arg(long, default_value = "runsc")]
+        runsc: PathBuf,
+        #[arg(long, env = "SPACE_DATA_DIR", default_value = "/var/lib/space")]
+        data_dir: PathBuf,
+        #[arg(long, env = "SPACE_GUEST_DIR")]
+        guest_dir: Option<PathBuf>,
     },
     /// Local administration that needs no server.
     #[command(subcommand)]
@@ -176,6 +186,19 @@ fn main() -> anyhow::Result<()> {
                 Ok(())
             })
         }
+        Cmd::Doctor {
+            runsc,
+            data_dir,
+            guest_dir,
+        } => {
+            let runsc = if runsc.components().count() > 1 {
+                runsc
+            } else {
+                which(&runsc).unwrap_or(runsc)
+            };
+            let guest_dir = guest_dir.unwrap_or_else(|| default_guest_dir(&data_dir));
+            std::process::exit(doctor::run(&runsc, &data_dir, &guest_dir))
+        }
         Cmd::Cp { src, dst } => exit_with(rt.block_on(cli_files::cp(&src, &dst))),
         Cmd::Ls { target, depth } => exit_with(rt.block_on(cli_files::ls(&target, depth))),
         other => match rt.block_on(cli::run(other.into_client())) {
@@ -197,7 +220,11 @@ impl Cmd {
             Cmd::Templates => cli::ClientCmd::Templates,
             Cmd::Template(c) => cli::ClientCmd::Template(c),
             Cmd::Events { after } => cli::ClientCmd::Events { after },
-            Cmd::Serve(_) | Cmd::Admin(_) | Cmd::Cp { .. } | Cmd::Ls { .. } => {
+            Cmd::Serve(_)
+            | Cmd::Admin(_)
+            | Cmd::Cp { .. }
+            | Cmd::Ls { .. }
+            | Cmd::Doctor { .. } => {
                 unreachable!("handled in main")
             }
         }
@@ -215,13 +242,10 @@ fn runtimes(
         .microvm_accel
         .parse()
         .map_err(|e| anyhow::anyhow!("--microvm-accel: {e}"))?;
-    let guest_dir = args.guest_dir.clone().unwrap_or_else(|| {
-        std::env::current_exe()
-            .ok()
-            .and_then(|exe| exe.parent().map(|d| d.join("../guest")))
-            .filter(|d| d.join(space_runtime::microvm::GUEST_KERNEL).exists())
-            .unwrap_or_else(|| args.data_dir.join("guest"))
-    });
+    let guest_dir = args
+        .guest_dir
+        .clone()
+        .unwrap_or_else(|| default_guest_dir(&args.data_dir));
     let mut cfg = MicrovmConfig::new(guest_dir, args.data_dir.join("microvm"));
     cfg.accel = accel;
     let microvm = match which(&cfg.qemu) {
@@ -267,6 +291,16 @@ fn runtimes(
         anyhow::bail!("--default-runtime {}: {why}", entries[0].name);
     }
     Runtimes::new(entries)
+}
+
+/// `guest/` beside the target dir of this executable when it holds a kernel (a build
+/// tree), else DATA_DIR/guest.
+fn default_guest_dir(data_dir: &Path) -> PathBuf {
+    std::env::current_exe()
+        .ok()
+        .and_then(|exe| exe.parent().map(|d| d.join("../guest")))
+        .filter(|d| d.join(space_runtime::microvm::GUEST_KERNEL).exists())
+        .unwrap_or_else(|| data_dir.join("guest"))
 }
 
 /// `cmd` as found on PATH (or as given, when it has a slash).

@@ -401,3 +401,42 @@ async fn cli_cp_and_ls() {
     assert!(!out.status.success());
     s.destroy(&sb).await;
 }
+
+#[test]
+fn doctor_checks_the_host_and_fails_on_what_is_missing() {
+    let dir = tempfile::tempdir().unwrap();
+    let doctor = |runsc: &str| {
+        Command::new(env!("CARGO_BIN_EXE_space"))
+            .args(["doctor", "--runsc", runsc, "--data-dir"])
+            .arg(dir.path())
+            .output()
+            .unwrap()
+    };
+    // This host has what the test suite needs: nothing fails.
+    let out = doctor("runsc");
+    let report = text(&out.stdout);
+    assert!(out.status.success(), "{report}");
+    for check in [
+        "runsc", "kvm", "qemu", "guest", "cgroups", "loop", "overlay", "tun", "disk",
+    ] {
+        assert!(
+            report
+                .lines()
+                .any(|l| l.split_whitespace().nth(1) == Some(check)),
+            "no {check} line in:\n{report}"
+        );
+    }
+    assert!(!report.contains("FAIL"), "{report}");
+    // A missing runsc is a failure with the fix named.
+    let out = doctor("/nonexistent/runsc");
+    let report = text(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{report}");
+    let line = report
+        .lines()
+        .find(|l| l.starts_with("FAIL"))
+        .unwrap_or_default();
+    assert!(
+        line.contains("runsc") && line.contains("scripts/setup.sh"),
+        "{report}"
+    );
+}

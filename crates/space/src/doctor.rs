@@ -1,0 +1,309 @@
+//! `space doctor`: what this host can run, and what to fix. Local checks only
+//! (no server needed); exit status 1 when something space needs is missing.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Level {
+    Ok,
+    Warn,
+    Fail,
+}
+
+struct Report {
+    worst: Level,
+}
+
+impl Report {
+    fn line(&mut self, level: Level, what: &str, detail: impl AsRef<str>) {
+        let tag = match level {
+            Level::Ok => "ok  ",
+            Level::Warn => "warn",
+            Level::Fail => "FAIL",
+        };
+        println!("{tag}  {what:<12} {}", detail.as_ref());
+        if level == Level::Fail || (level == Level::Warn && self.worst == Level::Ok) {
+            self.worst = level;
+        }
+    }
+}
+
+/// First line of `cmd args…`'s output, if it runs.
+fn first_line(cmd: &Path, args: &[&str]) -> Option<String> {
+    let out = Command::new(cmd).args(args).output().ok()?;
+    let text = if out.stdout.is_empty() {
+        out.stderr
+    } else {
+        out.stdout
+    };
+    String::from_utf8_lossy(&text)
+        .lines()
+        .next()
+        .map(|l| l.trim().to_string())
+}
+
+fn on_path(name: &str) -> Option<PathBuf> {
+    let paths = std::env::var_os("PATH")?;
+    std::env::split_paths(&paths)
+        .map(|d| d.join(name))
+        .find(|p| p.is_file())
+}
+
+/// Runs every check; returns the process exit code.
+pub fn run(runsc: &Path, data_dir: &Path, guest_dir: &Path) -> i32 {
+    let mut r = Report { worst: Level::Ok };
+
+    // gVisor.
+    match first_line(runsc, &["--version"]) {
+        Some(v) if v.starts_with("runsc version") => {
+            let date = v.rsplit('~').next().unwrap_or("").get(..8).unwrap_or("");
+            if date >= "20230101" {
+                r.line(Level::Ok, "runsc", format!("{v} (systrap platform)"));
+            } else {
+                r.line(
+                    Level::Warn,
+                    "runsc",
+                    format!("{v}: older than 2023, no systrap platform; install runsc from bookworm-backports (scripts/setup.sh)"),
+                );
+            }
+        }
+        _ => r.line(
+            Level::Fail,
+            "runsc",
+            format!(
+                "{} not found or not runnable: install runsc from bookworm-backports (scripts/setup.sh)",
+                runsc.display()
+            ),
+        ),
+    }
+
+    // KVM, for the microVM runtime.
+    let pvm = Path::new("/sys/module/kvm_pvm").exists();
+    match (
+        Path::new("/dev/kvm").exists(),
+        pvm,
+        space_runtime::microvm::kvm_usable(),
+    ) {
+        (_, _, Ok(())) => r.line(Level::Ok, "kvm", "usable: microVMs run with accel=kvm"),
+        (true, true, _) => r.line(
+            Level::Warn,
+            "kvm",
+            "nested PVM (kvm_pvm): standard guests do not run under it; microVMs use TCG, which is not a security boundary",
+        ),
+        (true, false, Err(why)) => r.line(
+            Level::Warn,
+            "kvm",
+            format!("/dev/kvm is not usable ({why}); microVMs use TCG, which is not a security boundary"),
+        ),
+        (false, _, _) => r.line(
+            Level::Warn,
+            "kvm",
+            "no /dev/kvm; microVMs use TCG, which is not a security boundary",
+        ),
+    }
+
+    // QEMU and the guest.
+    match on_path("qemu-system-x86_64") {
+        Some(q) => r.line(
+            Level::Ok,
+            "qemu",
+            first_line(&q, &["--version"]).unwrap_or_else(|| "found".into()),
+        ),
+        None => r.line(
+            Level::Warn,
+            "qemu",
+            "qemu-system-x86_64 not found: the microvm runtime is unavailable (scripts/setup.sh installs it)",
+        ),
+    }
+    let kernel = guest_dir.join(space_runtime::microvm::GUEST_KERNEL);
+    if kernel.is_file() {
+        let version =
+            std::fs::read_to_string(guest_dir.join(space_runtime::microvm::GUEST_VERSION))
+                .unwrap_or_default();
+        r.line(
+            Level::Ok,
+            "guest",
+            format!(
+                "{} ({})",
+                guest_dir.display(),
+                version.split_whitespace().next().unwrap_or("?")
+            ),
+        );
+    } else {
+        r.line(
+            Level::Warn,
+            "guest",
+            format!(
+                "no guest kernel in {}: run scripts/build-guest.sh {}",
+                guest_dir.display(),
+                guest_dir.display()
+            ),
+        );
+    }
+
+    // cgroups: runsc needs cpu, memory and pids.
+    let v2 = Path::new("/sys/fs/cgroup/cgroup.controllers").exists();
+    let controllers: Vec<String> = if v2 {
+        std::fs::read_to_string("/sys/fs/cgroup/cgroup.controllers")
+            .unwrap_or_default()
+            .split_whitespace()
+            .map(str::to_string)
+            .collect()
+    } else {
+        std::fs::read_dir("/sys/fs/cgroup")
+            .map(|d| {
+                d.flatten()
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let missing: Vec<&str> = ["cpu", "memory", "pids"]
+        .into_iter()
+        .filter(|c| {
+            !controllers
+                .iter()
+                .any(|x| x == c || x.split(',').any(|p| p == *c))
+        })
+        .collect();
+    if missing.is_empty() {
+        r.line(
+            Level::Ok,
+            "cgroups",
+            format!("{} with cpu, memory, pids", if v2 { "v2" } else { "v1" }),
+        );
+    } else {
+        r.line(
+            Level::Fail,
+            "cgroups",
+            format!("missing controllers: {}", missing.join(", ")),
+        );
+    }
+
+    // Disk quotas need loop devices and ext4 tools.
+    if Path::new("/dev/loop-control").exists() && on_path("mkfs.ext4").is_some() {
+        r.line(
+            Level::Ok,
+            "loop",
+            "loop devices and mkfs.ext4: per-sandbox disk quotas work",
+        );
+    } else {
+        r.line(
+            Level::Fail,
+            "loop",
+            "no /dev/loop-control or mkfs.ext4: sandbox disk quotas cannot be mounted (install e2fsprogs; run on a host with loop devices)",
+        );
+    }
+    let filesystems = std::fs::read_to_string("/proc/filesystems").unwrap_or_default();
+    let has = |fs: &str| {
+        filesystems
+            .lines()
+            .any(|l| l.split_whitespace().last() == Some(fs))
+    };
+    r.line(
+        if has("overlay") {
+            Level::Ok
+        } else {
+            Level::Warn
+        },
+        "overlay",
+        if has("overlay") {
+            "overlayfs available"
+        } else {
+            "no overlayfs in this kernel"
+        },
+    );
+    if has("btrfs") {
+        r.line(Level::Ok, "btrfs", "available (not needed)");
+    }
+    r.line(
+        if Path::new("/dev/net/tun").exists() {
+            Level::Ok
+        } else {
+            Level::Warn
+        },
+        "tun",
+        if Path::new("/dev/net/tun").exists() {
+            "/dev/net/tun present"
+        } else {
+            "no /dev/net/tun: network modes other than none will not work"
+        },
+    );
+
+    // Disk space where the data lives.
+    let probe = std::iter::successors(Some(data_dir), |p| p.parent())
+        .find(|p| p.exists())
+        .unwrap_or(Path::new("/"));
+    match free_bytes(probe) {
+        Some(free) if free < 5 << 30 => r.line(
+            Level::Warn,
+            "disk",
+            format!(
+                "{} GiB free at {}: sandboxes, snapshots and templates need more",
+                free >> 30,
+                probe.display()
+            ),
+        ),
+        Some(free) => r.line(
+            Level::Ok,
+            "disk",
+            format!("{} GiB free at {}", free >> 30, probe.display()),
+        ),
+        None => r.line(
+            Level::Warn,
+            "disk",
+            format!("cannot tell the free space at {}", probe.display()),
+        ),
+    }
+
+    // Template tools.
+    for (tool, why) in [
+        (
+            "mmdebstrap",
+            "the debian template and debian:bookworm recipes",
+        ),
+        ("busybox", "the busybox template and the microVM initramfs"),
+    ] {
+        match on_path(tool) {
+            Some(_) => r.line(Level::Ok, tool, format!("found ({why})")),
+            None => r.line(
+                Level::Warn,
+                tool,
+                format!("not found: needed for {why} (scripts/setup.sh)"),
+            ),
+        }
+    }
+    if unsafe { libc::geteuid() } != 0 {
+        r.line(
+            Level::Fail,
+            "root",
+            "space serve needs root (runsc, cgroups, loop mounts)",
+        );
+    }
+
+    match r.worst {
+        Level::Fail => {
+            println!("space doctor: something space needs is missing (FAIL above)");
+            1
+        }
+        Level::Warn => {
+            println!("space doctor: usable, with warnings");
+            0
+        }
+        Level::Ok => {
+            println!("space doctor: all good");
+            0
+        }
+    }
+}
+
+fn free_bytes(path: &Path) -> Option<u64> {
+    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).ok()?;
+    // SAFETY: a valid C string and a zeroed out-parameter of the right type.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return None;
+    }
+    Some(st.f_bavail.saturating_mul(st.f_frsize))
+}
