@@ -436,8 +436,15 @@ impl Drop for TestServer {
                 }
             }
         }
-        // Nor leave sandbox disks mounted (the data dir could not be removed).
+        // Nor microVMs: their QEMU runs in its own process group, outliving the server.
         let data = self.data.path().to_string_lossy().into_owned();
+        for (pid, args) in processes_mentioning(&data) {
+            if args.contains("qemu-system") {
+                // SAFETY: plain syscall on a pid found just now.
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+            }
+        }
+        // Nor leave sandbox disks mounted (the data dir could not be removed).
         let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
         for point in mounts.lines().filter_map(|l| l.split(' ').nth(4)) {
             if point.starts_with(&data) {
