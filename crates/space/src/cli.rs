@@ -32,6 +32,12 @@ pub enum SandboxCmd {
         memory_mib: Option<u64>,
         #[arg(long)]
         pids: Option<u64>,
+        /// Disk quota of the writable layer, MiB.
+        #[arg(long)]
+        disk_mib: Option<u64>,
+        /// `gvisor` or `microvm` (default: the server's).
+        #[arg(long)]
+        runtime: Option<String>,
         /// Print the operation and return at once.
         #[arg(long)]
         no_wait: bool,
@@ -229,17 +235,21 @@ pub async fn run(cmd: ClientCmd) -> anyhow::Result<i32> {
             vcpus,
             memory_mib,
             pids,
+            disk_mib,
+            runtime,
             no_wait,
         }) => {
-            let resources =
-                (vcpus.is_some() || memory_mib.is_some() || pids.is_some()).then_some(Resources {
-                    vcpus,
-                    memory_mib,
-                    disk_mib: None,
-                    pids,
-                });
+            let any =
+                vcpus.is_some() || memory_mib.is_some() || pids.is_some() || disk_mib.is_some();
+            let resources = any.then_some(Resources {
+                vcpus,
+                memory_mib,
+                disk_mib,
+                pids,
+            });
             let req = CreateSandboxRequest {
                 template,
+                runtime,
                 labels: Some(key_values(&labels, "label")?),
                 env: Some(key_values(&env, "env")?),
                 resources,

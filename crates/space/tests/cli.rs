@@ -31,6 +31,10 @@ async fn cli_sandbox_ops_and_exec() {
             "busybox",
             "--label",
             "who=cli",
+            "--runtime",
+            "gvisor",
+            "--disk-mib",
+            "256",
         ],
     );
     assert!(out.status.success(), "{}", text(&out.stderr));
