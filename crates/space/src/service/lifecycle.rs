@@ -22,6 +22,8 @@ use super::{
 const QUIESCE_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long a restored sandbox's agent may take to dial back in.
 const RESTORE_CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a restored agent gets before the server listens on a fresh socket for it.
+const RESTORE_RELISTEN_EVERY: Duration = Duration::from_secs(5);
 
 /// Longest an operation of each kind may run before it is failed.
 pub(crate) fn deadline(kind: OperationKind) -> Duration {
@@ -296,16 +298,30 @@ impl Service {
                     op.progress = Some("waiting for the agent".into())
                 })
                 .map_err(internal)?;
+                // Seen rarely under load on gVisor: the restored agent's dials stop reaching
+                // the listener. A fresh socket (bound anew, renamed over the old path) every
+                // few seconds gives it a new one to find.
                 let mut rx = handle.agent.subscribe();
-                agent::wait_connected(&mut rx, RESTORE_CONNECT_TIMEOUT)
-                    .await
-                    .map(|_| ())
-                    .map_err(|_| {
-                        ApiError::new(
-                            "agent_timeout",
-                            "the restored sandbox's agent did not connect in time",
-                        )
-                    })
+                let deadline = tokio::time::Instant::now() + RESTORE_CONNECT_TIMEOUT;
+                let mut connected = Err(ApiError::new(
+                    "agent_timeout",
+                    "the restored sandbox's agent did not connect in time",
+                ));
+                while tokio::time::Instant::now() < deadline {
+                    let left = deadline - tokio::time::Instant::now();
+                    if agent::wait_connected(&mut rx, left.min(RESTORE_RELISTEN_EVERY))
+                        .await
+                        .is_ok()
+                    {
+                        connected = Ok(());
+                        break;
+                    }
+                    tracing::warn!(sandbox = %id, "the restored agent has not dialled in yet; listening on a fresh socket");
+                    if let Err(e) = self.start_listener(handle, &rec) {
+                        tracing::warn!(sandbox = %id, error = %e, "cannot listen again");
+                    }
+                }
+                connected
             }
             Err(e) => Err(e),
         };
