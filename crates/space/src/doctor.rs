@@ -44,10 +44,7 @@ fn first_line(cmd: &Path, args: &[&str]) -> Option<String> {
 }
 
 fn on_path(name: &str) -> Option<PathBuf> {
-    let paths = std::env::var_os("PATH")?;
-    std::env::split_paths(&paths)
-        .map(|d| d.join(name))
-        .find(|p| p.is_file())
+    crate::which(Path::new(name))
 }
 
 /// Runs every check; returns the process exit code.
