@@ -861,3 +861,37 @@ async fn snapshot_template_turns_a_sandbox_into_a_new_version() {
     delete_template(&s, &name).await;
     remove_layers_of(&[&name]);
 }
+
+#[tokio::test]
+async fn debian_base_with_extra_packages() {
+    // mmdebstrap from Debian's mirror, like the built-in debian template (the suite's set-up
+    // builds that one too, so the mirror is reachable wherever this runs).
+    let s = TestServer::start().await;
+    let (name, nonce) = unique("deb");
+    let (op, log) = build(
+        &s,
+        json!({
+            "name": name,
+            "base": "debian:bookworm",
+            "packages": ["jq"],
+            "steps": [{"run": format!("echo '{{\"n\":\"{nonce}\"}}' | jq -r .n > /opt-nonce")}]
+        }),
+    )
+    .await;
+    assert_eq!(op["status"], "succeeded", "{op}\n{log}");
+    let sb = s.create(&name).await;
+    let out = sh_out(
+        &s,
+        &sb,
+        "cat /opt-nonce; jq --version; python3 -c 'print(6*7)'",
+    )
+    .await;
+    let mut lines = out.lines();
+    assert_eq!(lines.next(), Some(nonce.as_str()), "{out}");
+    assert!(lines.next().is_some_and(|l| l.starts_with("jq-")), "{out}");
+    assert_eq!(lines.next(), Some("42"), "{out}");
+    s.destroy(&sb).await;
+    delete_template(&s, &name).await;
+    remove_layers_of(&[&name]);
+    assert_no_build_left(&s);
+}
