@@ -11,6 +11,9 @@ use rusqlite::{params, Connection, OptionalExtension};
 use serde::{Deserialize, Serialize};
 use space_api::{Command, Event, Operation, Sandbox};
 
+mod tenants;
+pub use tenants::{ApiKey, TenantLimits};
+
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
     #[error("database error")]
@@ -74,6 +77,26 @@ const MIGRATIONS: &[&str] = &[
         doc TEXT NOT NULL
     );
     CREATE INDEX events_created ON events(created_at);",
+    // 3: tenants: API keys (hashed), per-tenant limits, template ownership.
+    "CREATE TABLE api_keys (
+        id TEXT PRIMARY KEY,
+        tenant TEXT NOT NULL,
+        hash TEXT NOT NULL UNIQUE,
+        name TEXT NOT NULL DEFAULT '',
+        created_at TEXT NOT NULL,
+        revoked_at TEXT
+    );
+    CREATE INDEX api_keys_tenant ON api_keys(tenant);
+    CREATE TABLE tenants (
+        name TEXT PRIMARY KEY,
+        max_sandboxes INTEGER,
+        max_running_commands INTEGER,
+        creates_per_minute INTEGER
+    );
+    CREATE TABLE template_owners (
+        name TEXT PRIMARY KEY,
+        tenant TEXT NOT NULL
+    );",
 ];
 
 /// The store. Cheap calls; hold no lock across an `.await`.
