@@ -5,15 +5,17 @@
 
 use std::collections::BTreeMap;
 
+pub use schemars;
+use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 /// `{"error":{"code","message"}}`, the body of every error response.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, JsonSchema)]
 pub struct ErrorBody {
     pub error: ApiError,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, JsonSchema)]
 pub struct ApiError {
     pub code: String,
     pub message: String,
@@ -31,7 +33,7 @@ impl ApiError {
 macro_rules! string_enum {
     ($(#[$m:meta])* $name:ident { $($variant:ident => $s:literal),+ $(,)? }) => {
         $(#[$m])*
-        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
         pub enum $name { $(#[serde(rename = $s)] $variant),+ }
         impl $name {
             pub const ALL: &'static [$name] = &[$($name::$variant),+];
@@ -118,7 +120,7 @@ impl CommandState {
 }
 
 /// Resources of a sandbox. In requests every field is optional; in responses all are set.
-#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Resources {
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -131,15 +133,42 @@ pub struct Resources {
     pub pids: Option<u64>,
 }
 
-#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct NetworkSpec {
-    /// Only `none` (loopback inside the sandbox) exists today.
+    /// `none` (default): loopback only. `egress`: outbound connections to the
+    /// `allow` list only, enforced by the host's firewall outside the sandbox.
     pub mode: String,
+    /// With `egress`: up to 64 entries, each `HOST`, `IPv4` or `IPv4/PREFIX`, optionally
+    /// followed by `:PORT` (TCP and UDP to that port only). Hostnames are resolved on the
+    /// host at create. Private, loopback, link-local, multicast and the host's own
+    /// addresses are refused.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub allow: Option<Vec<String>>,
+    /// Set by the server (never in a request): what `allow` resolved to at create; a
+    /// restart or resume re-applies exactly these.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resolved: Option<Vec<EgressRule>>,
+}
+
+/// One resolved allowlist entry: the network a sandbox may open connections to.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct EgressRule {
+    /// The `allow` entry this came from.
+    pub entry: String,
+    /// `a.b.c.d/n`.
+    pub cidr: String,
+    /// Only this destination port (TCP and UDP); `null`: every port.
+    #[serde(default)]
+    pub port: Option<u16>,
+    /// The hostname it was resolved from (it goes into the sandbox's `/etc/hosts`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<String>,
 }
 
 /// `POST /v1/sandboxes`.
-#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateSandboxRequest {
     pub template: String,
@@ -147,6 +176,10 @@ pub struct CreateSandboxRequest {
     pub runtime: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub env: Option<BTreeMap<String, String>>,
+    /// Environment variables every command gets that the API never returns (only their
+    /// names, in `secret_names`), that no log line, event or template holds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secrets: Option<BTreeMap<String, String>>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub labels: Option<BTreeMap<String, String>>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -164,7 +197,7 @@ pub struct CreateSandboxRequest {
 
 /// `POST /v1/sandboxes/{id}/keepalive`: counts as activity; with `ttl_seconds`
 /// the TTL restarts from now with that length (default: the sandbox's own TTL).
-#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct KeepaliveRequest {
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -172,7 +205,7 @@ pub struct KeepaliveRequest {
 }
 
 /// One server-sent event: a sandbox or an operation as it is after a change.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, JsonSchema)]
 pub struct Event {
     /// Increasing; resume with `Last-Event-ID` or `?after=`.
     pub id: i64,
@@ -184,9 +217,13 @@ pub struct Event {
 }
 
 /// A sandbox as the API returns it.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, JsonSchema)]
 pub struct Sandbox {
     pub id: String,
+    /// The tenant it belongs to (the API key's tenant; `default` for the
+    /// server's own token and dev mode).
+    #[serde(default = "default_tenant")]
+    pub tenant: String,
     pub state: SandboxState,
     pub template: String,
     pub template_version: String,
@@ -198,6 +235,9 @@ pub struct Sandbox {
     pub labels: BTreeMap<String, String>,
     pub resources: Resources,
     pub env: BTreeMap<String, String>,
+    /// Names of the sandbox's secrets (their values are never returned).
+    #[serde(default)]
+    pub secret_names: Vec<String>,
     pub network: NetworkSpec,
     pub created_at: String,
     pub updated_at: String,
@@ -226,9 +266,17 @@ pub struct Sandbox {
     pub destroyed_at: Option<String>,
 }
 
+/// The tenant of the server's own token (`SPACE_API_TOKEN`, dev mode), and of
+/// everything made before tenants existed.
+pub const DEFAULT_TENANT: &str = "default";
+
+fn default_tenant() -> String {
+    DEFAULT_TENANT.to_string()
+}
+
 /// What a sandbox's state costs: resident memory while running or paused,
 /// snapshot bytes on disk while suspended. Writable-layer bytes always.
-#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq, JsonSchema)]
 pub struct Cost {
     pub memory_bytes: Option<u64>,
     pub snapshot_bytes: Option<u64>,
@@ -243,13 +291,13 @@ string_enum!(
     }
 );
 
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, JsonSchema)]
 pub struct SandboxList {
     pub sandboxes: Vec<Sandbox>,
 }
 
 /// The progress of one asynchronous request.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, JsonSchema)]
 pub struct Operation {
     pub id: String,
     pub kind: OperationKind,
@@ -265,12 +313,12 @@ pub struct Operation {
     pub updated_at: String,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, JsonSchema)]
 pub struct OperationList {
     pub operations: Vec<Operation>,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct PtySize {
     pub rows: u16,
@@ -278,7 +326,7 @@ pub struct PtySize {
 }
 
 /// `POST /v1/sandboxes/{id}/commands`: exactly one of `argv` and `shell`.
-#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateCommandRequest {
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -288,6 +336,10 @@ pub struct CreateCommandRequest {
     pub shell: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub env: Option<BTreeMap<String, String>>,
+    /// Secret environment variables of this command only, over the sandbox's secrets and
+    /// its env; never returned (only their names, in `secret_names`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secrets: Option<BTreeMap<String, String>>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cwd: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -303,7 +355,7 @@ pub struct CreateCommandRequest {
 }
 
 /// How a command ended.
-#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq, JsonSchema)]
 pub struct ProcessResult {
     pub exit_code: Option<i32>,
     pub signal: Option<i32>,
@@ -316,7 +368,7 @@ pub struct ProcessResult {
 }
 
 /// A command session.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, JsonSchema)]
 pub struct Command {
     pub id: String,
     pub sandbox_id: String,
@@ -324,6 +376,9 @@ pub struct Command {
     pub argv: Vec<String>,
     pub cwd: Option<String>,
     pub user: Option<String>,
+    /// Names of the secrets it runs with, the sandbox's and its own (values never returned).
+    #[serde(default)]
+    pub secret_names: Vec<String>,
     /// Whether it takes input through `POST …/stdin` or the attach WebSocket.
     #[serde(default)]
     pub stdin: bool,
@@ -351,13 +406,13 @@ pub struct Command {
     pub inline_truncated: Option<bool>,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, JsonSchema)]
 pub struct CommandList {
     pub commands: Vec<Command>,
 }
 
 /// One line of the NDJSON output stream: raw bytes, base64 in `data`.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, JsonSchema)]
 pub struct OutputChunk {
     /// `stdout` or `stderr`.
     pub stream: String,
@@ -368,13 +423,13 @@ pub struct OutputChunk {
 }
 
 /// The last line of a finished command's output stream.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, JsonSchema)]
 pub struct OutputEnd {
     pub result: ProcessResult,
     pub state: CommandState,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, JsonSchema)]
 pub struct Template {
     pub name: String,
     pub ready: bool,
@@ -391,7 +446,7 @@ pub struct Template {
     pub base: Option<String>,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, JsonSchema)]
 pub struct TemplateList {
     pub templates: Vec<Template>,
 }
