@@ -4,6 +4,7 @@ mod api;
 mod cli;
 mod cli_files;
 mod doctor;
+mod keys;
 mod service;
 mod tty;
 
@@ -71,6 +72,12 @@ enum Cmd {
     /// Local administration that needs no server.
     #[command(subcommand)]
     Admin(AdminCmd),
+    /// API keys of tenants: create (printed once), list, revoke. Works on the data dir.
+    #[command(subcommand)]
+    Keys(keys::KeysCmd),
+    /// Per-tenant limits. Works on the data dir.
+    #[command(subcommand)]
+    Tenants(keys::TenantsCmd),
 }
 
 #[derive(Subcommand)]
@@ -158,6 +165,18 @@ struct ServeArgs {
     /// repeatable. None by default: such recipes are refused.
     #[arg(long = "template-import-dir")]
     template_import_dirs: Vec<PathBuf>,
+    /// Sandboxes one tenant may have that are not destroyed or failed (429 past it).
+    #[arg(long, default_value_t = 100)]
+    tenant_max_sandboxes: u64,
+    /// Commands one tenant may have running at once (429 past it).
+    #[arg(long, default_value_t = 256)]
+    tenant_max_running_commands: u64,
+    /// Sandbox creates one tenant may ask for per minute (429 + Retry-After past it).
+    #[arg(long, default_value_t = 120)]
+    tenant_creates_per_minute: u64,
+    /// Commands one sandbox may have running at once (429 past it).
+    #[arg(long, default_value_t = 64)]
+    max_commands_per_sandbox: u64,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -199,6 +218,8 @@ fn main() -> anyhow::Result<()> {
             let guest_dir = guest_dir.unwrap_or_else(|| default_guest_dir(&data_dir));
             std::process::exit(doctor::run(&runsc, &data_dir, &guest_dir))
         }
+        Cmd::Keys(c) => exit_with(keys::keys(c).map(|()| 0)),
+        Cmd::Tenants(c) => exit_with(keys::tenants(c).map(|()| 0)),
         Cmd::Cp { src, dst } => exit_with(rt.block_on(cli_files::cp(&src, &dst))),
         Cmd::Ls { target, depth } => exit_with(rt.block_on(cli_files::ls(&target, depth))),
         other => match rt.block_on(cli::run(other.into_client())) {
@@ -224,7 +245,9 @@ impl Cmd {
             | Cmd::Admin(_)
             | Cmd::Cp { .. }
             | Cmd::Ls { .. }
-            | Cmd::Doctor { .. } => {
+            | Cmd::Doctor { .. }
+            | Cmd::Keys(_)
+            | Cmd::Tenants(_) => {
                 unreachable!("handled in main")
             }
         }
@@ -295,6 +318,15 @@ fn runtimes(
 
 /// `guest/` beside the target dir of this executable when it holds a kernel (a build
 /// tree), else DATA_DIR/guest.
+/// Whether the data dir's database holds a key that is not revoked.
+fn has_api_keys(data_dir: &Path) -> bool {
+    let db = data_dir.join("space.db");
+    db.exists()
+        && space_store::Store::open(&db)
+            .and_then(|s| s.list_api_keys(None))
+            .is_ok_and(|keys| keys.iter().any(|k| k.revoked_at.is_none()))
+}
+
 fn default_guest_dir(data_dir: &Path) -> PathBuf {
     std::env::current_exe()
         .ok()
@@ -336,7 +368,7 @@ fn init_tracing() {
 }
 
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
-    let token = if args.dev {
+    let token: Option<String> = if args.dev {
         if !args.listen.ip().is_loopback() {
             bail!(
                 "--dev refuses to listen on {}: dev mode accepts a well-known token, so it only listens on loopback",
@@ -349,11 +381,17 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         eprintln!("# Anyone on this machine with the dev token can run code here. #");
         eprintln!("# Do not use --dev in production.                              #");
         eprintln!("################################################################");
-        token
+        Some(token)
     } else {
         match std::env::var("SPACE_API_TOKEN") {
-            Ok(t) if t.len() >= 16 => t,
-            _ => bail!("set SPACE_API_TOKEN (at least 16 characters) or run with --dev"),
+            Ok(t) if t.len() >= 16 => Some(t),
+            Ok(_) => bail!("SPACE_API_TOKEN must be at least 16 characters"),
+            // Keys only: fine once there is a key to use.
+            Err(_) if has_api_keys(&args.data_dir) => None,
+            Err(_) => bail!(
+                "set SPACE_API_TOKEN (at least 16 characters), make a key with \
+                 `space keys create --tenant NAME`, or run with --dev"
+            ),
         }
     };
 
@@ -402,7 +440,15 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         .context("starting the service")?;
     let app = api::router(api::AppState {
         service,
-        token: Arc::new(token),
+        tenancy: Arc::new(api::tenancy::Tenancy::new(
+            token,
+            api::tenancy::Limits {
+                max_sandboxes: args.tenant_max_sandboxes,
+                max_running_commands: args.tenant_max_running_commands,
+                creates_per_minute: args.tenant_creates_per_minute,
+                max_commands_per_sandbox: args.max_commands_per_sandbox,
+            },
+        )),
     });
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await

@@ -24,11 +24,15 @@ use crate::service::{CommandOutputQuery, OutputEvent};
 
 pub async fn create(
     State(st): State<AppState>,
+    axum::Extension(tenant): axum::Extension<super::tenancy::Tenant>,
     Path(id): Path<String>,
     ApiJson(req): ApiJson<CreateCommandRequest>,
 ) -> Response {
     if let Err(r) = check_id(&id, "sb", "sandbox") {
         return r.into_response();
+    }
+    if let Err(e) = st.tenancy.admit_command(&st.service, &tenant, &id) {
+        return super::HttpError(e).into_response();
     }
     respond_with(
         StatusCode::CREATED,

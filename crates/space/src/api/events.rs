@@ -10,11 +10,13 @@ use axum::body::Body;
 use axum::extract::{RawQuery, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
+use axum::Extension;
 use bytes::Bytes;
 use serde::Deserialize;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::StreamExt;
 
+use super::tenancy::{operation_tenant, Tenant};
 use super::{error, parse_query, AppState};
 
 /// Events read from the store per batch.
@@ -30,6 +32,7 @@ struct Query {
 
 pub async fn stream(
     State(st): State<AppState>,
+    Extension(tenant): Extension<Tenant>,
     headers: HeaderMap,
     RawQuery(q): RawQuery,
 ) -> Response {
@@ -80,12 +83,15 @@ pub async fn stream(
             };
             let full = events.len() == BATCH;
             for e in events {
+                after = e.id;
+                if !mine(&service, &tenant, &e) {
+                    continue;
+                }
                 let data = serde_json::to_string(&e).unwrap_or_default();
                 let frame = format!("id: {}\nevent: {}\ndata: {}\n\n", e.id, e.kind, data);
                 if tx.send(Bytes::from(frame)).await.is_err() {
                     return;
                 }
-                after = e.id;
             }
             if full {
                 continue;
@@ -107,4 +113,23 @@ pub async fn stream(
         .header(header::CACHE_CONTROL, "no-store")
         .body(body)
         .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
+}
+
+/// Whether an event is about the caller's own sandbox or operation.
+fn mine(service: &crate::service::Service, tenant: &Tenant, e: &space_api::Event) -> bool {
+    let store = service.store();
+    match e.kind.as_str() {
+        "sandbox" => {
+            e.object
+                .get("tenant")
+                .and_then(|t| t.as_str())
+                .unwrap_or(space_api::DEFAULT_TENANT)
+                == tenant.as_str()
+        }
+        "operation" => serde_json::from_value::<space_api::Operation>(e.object.clone())
+            .ok()
+            .and_then(|op| operation_tenant(store, &op).ok())
+            .is_some_and(|t| t == tenant.as_str()),
+        _ => false,
+    }
 }

@@ -4,9 +4,11 @@ use std::time::Duration;
 
 use axum::extract::{Path, RawQuery, State};
 use axum::response::{IntoResponse, Response};
+use axum::Extension;
 use serde::Deserialize;
 use space_api::OperationList;
 
+use super::tenancy::{operation_tenant, Tenant};
 use super::{check_id, parse_query, parse_wait, respond, AppState};
 
 #[derive(Deserialize)]
@@ -41,17 +43,34 @@ struct ListQuery {
     limit: Option<usize>,
 }
 
-pub async fn list(State(st): State<AppState>, RawQuery(q): RawQuery) -> Response {
+pub async fn list(
+    State(st): State<AppState>,
+    Extension(tenant): Extension<Tenant>,
+    RawQuery(q): RawQuery,
+) -> Response {
     let q: ListQuery = match parse_query(q.as_deref()) {
         Ok(q) => q,
         Err(r) => return r.into_response(),
     };
     let limit = q.limit.unwrap_or(100).clamp(1, 1000);
-    respond(
-        st.service
-            .list_operations(q.sandbox_id.as_deref(), limit)
-            .map(|operations| OperationList { operations }),
-    )
+    // The caller's operations only; read past other tenants' to fill `limit`.
+    let store = st.service.store();
+    let r = st
+        .service
+        .list_operations(q.sandbox_id.as_deref(), 10_000)
+        .and_then(|all| {
+            let mut operations = Vec::new();
+            for op in all {
+                if operations.len() == limit {
+                    break;
+                }
+                if operation_tenant(store, &op)? == tenant.as_str() {
+                    operations.push(op);
+                }
+            }
+            Ok(OperationList { operations })
+        });
+    respond(r)
 }
 
 pub async fn cancel(State(st): State<AppState>, Path(id): Path<String>) -> Response {

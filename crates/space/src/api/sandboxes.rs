@@ -3,16 +3,32 @@
 use axum::extract::{Path, RawQuery, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
+use axum::Extension;
 use serde::Deserialize;
 use space_api::{CreateSandboxRequest, SandboxList};
 
+use super::tenancy::Tenant;
 use super::{check_id, error, parse_query, respond, respond_with, ApiJson, AppState};
 
 pub async fn create(
     State(st): State<AppState>,
+    Extension(tenant): Extension<Tenant>,
     ApiJson(req): ApiJson<CreateSandboxRequest>,
 ) -> Response {
-    respond_with(StatusCode::ACCEPTED, st.service.create_sandbox(req))
+    let r = st
+        .tenancy
+        .admit_create(&st.service, &tenant, || {
+            // Another tenant's template is as unknown as one that does not exist.
+            let name = req.template.trim();
+            if !super::tenancy::template_visible(st.service.store(), &tenant, name)? {
+                return Err(crate::service::ServiceError::NotFound(format!(
+                    "unknown template {name:?}"
+                )));
+            }
+            st.service.create_sandbox(tenant.as_str(), req)
+        })
+        .await;
+    respond_with(StatusCode::ACCEPTED, r)
 }
 
 #[derive(Deserialize)]
@@ -22,7 +38,11 @@ struct ListQuery {
     label: Option<String>,
 }
 
-pub async fn list(State(st): State<AppState>, RawQuery(q): RawQuery) -> Response {
+pub async fn list(
+    State(st): State<AppState>,
+    Extension(tenant): Extension<Tenant>,
+    RawQuery(q): RawQuery,
+) -> Response {
     let q: ListQuery = match parse_query(q.as_deref()) {
         Ok(q) => q,
         Err(r) => return r.into_response(),
@@ -45,11 +65,14 @@ pub async fn list(State(st): State<AppState>, RawQuery(q): RawQuery) -> Response
             }
         }
     }
-    respond(
-        st.service
-            .list_sandboxes(&labels)
-            .map(|sandboxes| SandboxList { sandboxes }),
-    )
+    respond(st.service.list_sandboxes(&labels).map(|all| {
+        SandboxList {
+            sandboxes: all
+                .into_iter()
+                .filter(|s| s.tenant == tenant.as_str())
+                .collect(),
+        }
+    }))
 }
 
 pub async fn get(State(st): State<AppState>, Path(id): Path<String>) -> Response {
@@ -82,13 +105,22 @@ pub struct SnapshotTemplateRequest {
 
 pub async fn snapshot_template(
     State(st): State<AppState>,
+    Extension(tenant): Extension<Tenant>,
     Path(id): Path<String>,
     ApiJson(req): ApiJson<SnapshotTemplateRequest>,
 ) -> Response {
     if let Err(r) = check_id(&id, "sb", "sandbox") {
         return r.into_response();
     }
-    accepted(st.service.snapshot_template(&id, &req.name))
+    let claimed = match super::templates::claim(&st, &tenant, &req.name) {
+        Ok(c) => c,
+        Err(r) => return r,
+    };
+    let r = st.service.snapshot_template(&id, &req.name);
+    if r.is_err() && claimed {
+        super::templates::unclaim(&st, &req.name);
+    }
+    accepted(r)
 }
 
 pub async fn resume(State(st): State<AppState>, Path(id): Path<String>) -> Response {
