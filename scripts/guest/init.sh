@@ -2,8 +2,12 @@
 # /init of the space microVM initramfs (built by scripts/build-guest.sh).
 #
 # Contract with the host (space_runtime::microvm):
-#   kernel command line: space.id=<sandbox id> space.token=<token> [space.pids=<n>]
-#     [space.disk=1] [space.hostname=<name>]; anything else is ignored.
+#   kernel command line: space.id=<sandbox id> [space.pids=<n>] [space.disk=1]
+#     [space.hostname=<name>]; anything else is ignored. Never the token: /proc/cmdline is
+#     readable by every process of the guest, and QEMU's argv by every user of the host.
+#   /space-token: the agent's token (0600), in a third cpio archive the host appends to the
+#     sandbox's own initramfs. It is copied to /.space/run/token for the agent, which
+#     deletes it; switch_root deletes the initramfs' copy.
 #   /dev/vda (first virtio-blk device): the root filesystem, ext4. With space.disk=1 it is
 #     grown online to the size of the device.
 #   virtio-serial port named `space.agent`: the agent's byte stream to the host
@@ -29,19 +33,18 @@ exec </dev/console >/dev/console 2>&1
 mount -t proc -o nosuid,nodev,noexec proc /proc || fail "cannot mount /proc"
 mount -t sysfs -o nosuid,nodev,noexec sysfs /sys || fail "cannot mount /sys"
 
-id= token= pids= disk= hostname=
+id= pids= disk= hostname=
 # shellcheck disable=SC2013 # words, not lines
 for word in $(cat /proc/cmdline); do
   case "$word" in
     space.id=*) id="${word#space.id=}" ;;
-    space.token=*) token="${word#space.token=}" ;;
     space.pids=*) pids="${word#space.pids=}" ;;
     space.disk=*) disk="${word#space.disk=}" ;;
     space.hostname=*) hostname="${word#space.hostname=}" ;;
   esac
 done
 [ -n "$id" ] || fail "no space.id= on the kernel command line"
-[ -n "$token" ] || fail "no space.token= on the kernel command line"
+[ -s /space-token ] || fail "no /space-token in the initramfs (the host appends it)"
 case "$pids" in
   '' | *[!0-9]*) [ -z "$pids" ] || fail "space.pids=$pids is not a number" ;;
 esac
@@ -91,7 +94,8 @@ cp /space-agent $r/.space/bin/space-agent || fail "cannot copy the agent (out of
 chmod 0755 $r/.space/bin/space-agent
 mount -o remount,ro,nosuid,nodev space-bin $r/.space/bin || fail "cannot make /.space/bin read-only"
 mount -t tmpfs -o mode=0700,nosuid,nodev,noexec,size=1m space-run $r/.space/run || fail "cannot mount /.space/run"
-(umask 077 && echo "$token" >$r/.space/run/token) || fail "cannot write the token"
+(umask 077 && cp /space-token $r/.space/run/token) || fail "cannot write the token"
+rm -f /space-token
 
 for d in dev proc sys tmp; do
   [ -d $r/$d ] || mkdir -p $r/$d || fail "cannot create /$d in the root filesystem"

@@ -73,10 +73,12 @@ impl Config {
         };
         let sandbox_id = var("SPACE_SANDBOX_ID").ok_or("SPACE_SANDBOX_ID is not set")?;
         let token_file = var("SPACE_AGENT_TOKEN_FILE").unwrap_or_else(|| DEFAULT_TOKEN_FILE.into());
-        let token = std::fs::read_to_string(&token_file)
-            .map_err(|e| format!("cannot read token file {token_file}: {e}"))?
-            .trim()
-            .to_string();
+        let mut raw = std::fs::read(&token_file)
+            .map_err(|e| format!("cannot read token file {token_file}: {e}"))?;
+        let token = String::from_utf8_lossy(&raw).trim().to_string();
+        // Kept once, in `Config` (every reconnect presents it); no other copy lingers.
+        raw.fill(0);
+        std::hint::black_box(&raw);
         // The token is only for us: nothing the sandbox runs should read it.
         let _ = std::fs::remove_file(&token_file);
         if token.is_empty() {
@@ -98,6 +100,19 @@ impl Config {
 
 #[tokio::main]
 async fn main() -> ExitCode {
+    // Before the token is read: a non-dumpable process's memory (and, under Linux, its
+    // environment, descriptors and other /proc files; gVisor checks only memory and ptrace)
+    // is closed to every process without CAP_SYS_PTRACE, root included, and commands never
+    // have that capability (spawn::DROPPED_CAPABILITIES). Children are dumpable again after
+    // their exec.
+    // SAFETY: plain syscall.
+    if unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) } != 0 {
+        eprintln!(
+            "space-agent: cannot make itself non-dumpable: {}",
+            std::io::Error::last_os_error()
+        );
+        return ExitCode::from(2);
+    }
     let cfg = match Config::from_env() {
         Ok(c) => c,
         Err(e) => {
@@ -215,7 +230,14 @@ async fn handshake<S: HostLink>(stream: &mut S, cfg: &Config) -> std::io::Result
     };
     let mut line = serde_json::to_vec(&hello)?;
     line.push(b'\n');
-    stream.write_all(&line).await?;
+    let written = stream.write_all(&line).await;
+    // The line holds the token: wipe it (`hello`'s copy goes with it below).
+    line.fill(0);
+    std::hint::black_box(&line);
+    let mut hello = hello;
+    // SAFETY: zero bytes keep the string valid UTF-8.
+    unsafe { hello.token.as_bytes_mut().fill(0) };
+    written?;
     let reply = protocol::read_handshake_line(stream).await?;
     serde_json::from_slice(&reply)
         .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))

@@ -128,6 +128,10 @@ pub struct SpawnRequest {
     /// The complete environment of the command. The agent adds only `HOME` when it
     /// is absent, and `TERM=xterm-256color` on a terminal when `TERM` is absent.
     pub env: Vec<(String, String)>,
+    /// Secret variables, set over `env` (a name in both takes the secret's value). Apart
+    /// from `env` so the host never records them with the command.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub secrets: Vec<(String, String)>,
     /// Working directory; the user's home (or `/`) when absent.
     #[serde(default)]
     pub cwd: Option<String>,
@@ -184,7 +188,7 @@ impl SpawnRequest {
         if self.argv.is_empty() || self.argv[0].is_empty() {
             return Err(SpawnRequestError::EmptyArgv);
         }
-        if self.argv.len() > MAX_ARGV || self.env.len() > MAX_ENV {
+        if self.argv.len() > MAX_ARGV || self.env.len() + self.secrets.len() > MAX_ENV {
             return Err(SpawnRequestError::TooMany);
         }
         let mut total = 0usize;
@@ -192,6 +196,7 @@ impl SpawnRequest {
             .argv
             .iter()
             .chain(self.env.iter().flat_map(|(k, v)| [k, v]))
+            .chain(self.secrets.iter().flat_map(|(k, v)| [k, v]))
             .chain(self.cwd.iter())
             .chain(self.user.iter());
         for s in strings {
@@ -209,6 +214,7 @@ impl SpawnRequest {
         if self
             .env
             .iter()
+            .chain(self.secrets.iter())
             .any(|(k, _)| k.is_empty() || k.contains('='))
         {
             return Err(SpawnRequestError::BadEnvName);
@@ -592,6 +598,7 @@ mod tests {
             id: "cmd_1".into(),
             argv: vec!["true".into()],
             env: vec![("A".into(), "b".into())],
+            secrets: vec![("S".into(), "v".into())],
             cwd: None,
             user: None,
             timeout_ms: None,
@@ -608,6 +615,12 @@ mod tests {
         let mut bad = ok.clone();
         bad.env.push(("A=B".into(), "c".into()));
         assert_eq!(bad.validate(), Err(SpawnRequestError::BadEnvName));
+        let mut bad = ok.clone();
+        bad.secrets.push(("S=T".into(), "c".into()));
+        assert_eq!(bad.validate(), Err(SpawnRequestError::BadEnvName));
+        let mut bad = ok.clone();
+        bad.secrets.push(("T".into(), "c\0d".into()));
+        assert_eq!(bad.validate(), Err(SpawnRequestError::Nul));
         let mut bad = ok;
         bad.id = "../x".into();
         assert_eq!(bad.validate(), Err(SpawnRequestError::BadId));

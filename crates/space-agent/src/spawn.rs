@@ -110,7 +110,9 @@ pub fn start(reaper: &Reaper, cmd: &Arc<Cmd>, req: &SpawnRequest) -> Outcome {
         Err(reason) => return failed(CANNOT_RUN, reason),
     };
 
+    // Secrets last: the command's environment takes the last value of a name.
     let mut env = req.env.clone();
+    env.extend(req.secrets.iter().cloned());
     if !env.iter().any(|(k, _)| k == "HOME") {
         env.push(("HOME".into(), ident.home.clone()));
     }
@@ -241,6 +243,8 @@ pub fn start(reaper: &Reaper, cmd: &Arc<Cmd>, req: &SpawnRequest) -> Outcome {
                     return Err(io::Error::last_os_error());
                 }
             }
+            // Before the user change: dropping needs CAP_SETPCAP, which it takes away.
+            drop_capabilities()?;
             if change_ident {
                 let groups = [gid];
                 if libc::setgroups(1, groups.as_ptr()) != 0
@@ -270,6 +274,96 @@ pub fn start(reaper: &Reaper, cmd: &Arc<Cmd>, req: &SpawnRequest) -> Outcome {
         Err(e) if e.kind() == io::ErrorKind::NotFound => failed(NOT_FOUND, describe(&e)),
         Err(e) => failed(CANNOT_RUN, describe(&e)),
     }
+}
+
+/// Capabilities no command gets, even as root: each one reads the memory of other processes
+/// (the agent's token, other commands' secrets) or the kernel's, directly or by loading code
+/// into the kernel. `CAP_SYS_PTRACE` (ptrace, `/proc/<pid>/mem`, `environ` and `fd` of a
+/// non-dumpable process such as the agent), `CAP_SYS_ADMIN` (BPF and perf without the two
+/// split capabilities, and much else), `CAP_SYS_MODULE` (kernel modules), `CAP_SYS_RAWIO`
+/// (`/dev/mem`, `/proc/kcore`, I/O ports such as the microVM's fw_cfg), `CAP_SYS_BOOT`
+/// (`kexec_load`), `CAP_PERFMON` and `CAP_BPF`. What root commands commonly use stays:
+/// chown, setuid/setgid (apt-get's sandbox user, su), binding low ports, chroot, mknod,
+/// raw sockets, kill. gVisor's sandboxes never had the first two (its OCI spec); in a
+/// microVM the agent is the kernel's init with every capability, so this is what keeps them
+/// from commands there.
+pub const DROPPED_CAPABILITIES: &[u32] = &[
+    19, // CAP_SYS_PTRACE
+    21, // CAP_SYS_ADMIN
+    16, // CAP_SYS_MODULE
+    17, // CAP_SYS_RAWIO
+    22, // CAP_SYS_BOOT
+    38, // CAP_PERFMON
+    39, // CAP_BPF
+];
+
+/// In a child before `exec`: takes [`DROPPED_CAPABILITIES`] out of the bounding set (so no
+/// file capability or setuid-root binary brings them back), empties the inheritable and
+/// ambient sets (which `exec` of a root program would otherwise add back in). A capability
+/// that is in the bounding set and cannot be dropped fails the command rather than leaving
+/// it with more than it should have. Allocation-free.
+fn drop_capabilities() -> io::Result<()> {
+    for &cap in DROPPED_CAPABILITIES {
+        // SAFETY: plain prctl calls with integer arguments.
+        let present = unsafe { libc::prctl(libc::PR_CAPBSET_READ, cap as libc::c_ulong, 0, 0, 0) };
+        // < 0: a capability this kernel does not know, so nothing can hold it.
+        if present == 1
+            && unsafe { libc::prctl(libc::PR_CAPBSET_DROP, cap as libc::c_ulong, 0, 0, 0) } != 0
+        {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    // SAFETY: as above. EINVAL: a kernel without ambient capabilities has none to clear.
+    if unsafe {
+        libc::prctl(
+            libc::PR_CAP_AMBIENT,
+            libc::PR_CAP_AMBIENT_CLEAR_ALL,
+            0,
+            0,
+            0,
+        )
+    } != 0
+        && io::Error::last_os_error().raw_os_error() != Some(libc::EINVAL)
+    {
+        return Err(io::Error::last_os_error());
+    }
+    #[repr(C)]
+    struct CapHeader {
+        version: u32,
+        pid: i32,
+    }
+    #[repr(C)]
+    #[derive(Clone, Copy)]
+    struct CapData {
+        effective: u32,
+        permitted: u32,
+        inheritable: u32,
+    }
+    const VERSION_3: u32 = 0x2008_0522;
+    let mut header = CapHeader {
+        version: VERSION_3,
+        pid: 0,
+    };
+    let mut data = [CapData {
+        effective: 0,
+        permitted: 0,
+        inheritable: 0,
+    }; 2];
+    // SAFETY: header and two data structs, as capget/capset v3 expect.
+    unsafe {
+        if libc::syscall(libc::SYS_capget, &mut header, data.as_mut_ptr()) != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        if data.iter().any(|d| d.inheritable != 0) {
+            for d in data.iter_mut() {
+                d.inheritable = 0;
+            }
+            if libc::syscall(libc::SYS_capset, &header, data.as_ptr()) != 0 {
+                return Err(io::Error::last_os_error());
+            }
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

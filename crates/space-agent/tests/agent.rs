@@ -711,6 +711,68 @@ async fn environment_user_and_directory() {
 }
 
 #[tokio::test]
+async fn secrets_over_env_and_no_way_into_the_agent() {
+    let host = Host::start();
+    let mut conn = host.accept().await;
+
+    // Secrets come after env: a name in both has the secret's value.
+    conn.spawn(json!({
+        "id": "secrets",
+        "argv": ["env"],
+        "env": [["A", "from-env"], ["B", "b"]],
+        "secrets": [["A", "from-secret"], ["S", "s"]],
+    }))
+    .await;
+    let out = conn.attach("secrets", 0, 0).await.collect(true).await;
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "A=from-secret\nB=b\nHOME=/root\nS=s\n"
+    );
+    let (status, _) = conn
+        .request(
+            Method::POST,
+            "/v1/commands",
+            Some(json!({"id": "bad", "argv": ["true"], "env": [], "secrets": [["A=B", "x"]]})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+
+    // SAFETY: plain syscall.
+    if unsafe { libc::geteuid() } == 0 {
+        // Root commands lack what reads another process's memory, and the agent is not
+        // dumpable: its environment, memory and descriptors are closed to them.
+        let (_, body) = conn.request(Method::GET, "/v1/info", None).await;
+        let info: protocol::AgentInfo = serde_json::from_slice(&body).expect("info");
+        let script = format!(
+            "grep -E '^Cap(Bnd|Inh|Eff)' /proc/self/status; \
+             cat /proc/{0}/environ >/dev/null 2>&1 && echo read-environ; \
+             (exec 3</proc/{0}/mem) 2>/dev/null && echo opened-mem; \
+             for f in /proc/{0}/fd/*; do readlink $f >/dev/null 2>&1 && echo followed-fd; \
+               (exec 3<$f) 2>/dev/null && echo opened-fd; done; \
+             ls /proc/{0}/fd | grep -q . && echo listed-fds; true",
+            info.pid
+        );
+        let out = run(&mut conn, "caps", &script).await;
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let set = |name: &str| {
+            let line = text.lines().find(|l| l.starts_with(name)).expect(name);
+            u64::from_str_radix(line.split_whitespace().nth(1).unwrap(), 16).unwrap()
+        };
+        for cap in [16, 17, 19, 21, 22] {
+            assert_eq!(set("CapBnd") & (1 << cap), 0, "capability {cap}: {text}");
+            assert_eq!(set("CapEff") & (1 << cap), 0, "capability {cap}: {text}");
+        }
+        assert_eq!(set("CapInh"), 0, "{text}");
+        assert_ne!(set("CapEff") & 1, 0, "CAP_CHOWN stays: {text}");
+        // Root may list the agent's descriptor numbers (its /proc files are root's, and
+        // Linux checks only that), never follow one.
+        for leak in ["read-environ", "opened-mem", "followed-fd", "opened-fd"] {
+            assert!(!text.contains(leak), "{leak}: {text}");
+        }
+    }
+}
+
+#[tokio::test]
 async fn signals_supersede_and_delete() {
     let host = Host::start();
     let mut conn = host.accept().await;

@@ -12,6 +12,8 @@ use std::path::{Path, PathBuf};
 
 /// Name of the agent inside the initramfs.
 pub const AGENT_PATH_IN_INITRAMFS: &str = "space-agent";
+/// Name of the agent's token inside a sandbox's own initramfs ([`initramfs_with_token`]).
+pub const TOKEN_PATH_IN_INITRAMFS: &str = "space-token";
 /// The guest files in a directory built by `scripts/build-guest.sh`.
 pub const KERNEL_FILE: &str = "vmlinuz";
 pub const INITRAMFS_FILE: &str = "initramfs.cpio.gz";
@@ -116,6 +118,51 @@ pub fn initramfs_with_agent(base: &Path, agent: &Path, out: &Path) -> io::Result
         let _ = fs::remove_file(&tmp);
     }
     result
+}
+
+/// Writes a sandbox's own initramfs to `out` (mode 0600): the bytes of `base` (an initramfs
+/// with the agent), padding, then a newc archive with `/space-token` (mode 0600) holding
+/// `token`. This keeps the token off the kernel command line (`/proc/cmdline` in the guest,
+/// QEMU's argv on the host); the guest's `/init` hands it to the agent, which deletes it.
+/// Returns where the token's bytes are in `out`, for [`scrub_token`]. Atomic like
+/// [`initramfs_with_agent`]; a copy-on-write or in-kernel copy where the filesystem has one.
+pub fn initramfs_with_token(base: &Path, token: &str, out: &Path) -> io::Result<u64> {
+    use std::os::unix::fs::PermissionsExt;
+    let tmp = temp_path(out);
+    let result = (|| {
+        let base_len = fs::copy(base, &tmp)?;
+        // Private before the token goes in.
+        fs::set_permissions(&tmp, fs::Permissions::from_mode(0o600))?;
+        let size = u32::try_from(token.len())
+            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "token too long"))?;
+        let mut w = fs::OpenOptions::new().append(true).open(&tmp)?;
+        let pad = pad4(base_len as usize);
+        let mut archive = vec![0u8; pad];
+        let header = write_newc_header(&mut archive, TOKEN_PATH_IN_INITRAMFS, 0o100_600, 1, size)?;
+        let token_at = base_len + (pad + header) as u64;
+        archive.extend_from_slice(token.as_bytes());
+        let written = header + token.len();
+        archive.extend_from_slice(&[0u8; 4][..pad4(written)]);
+        write_newc_trailer(&mut archive, written + pad4(written))?;
+        w.write_all(&archive)?;
+        w.sync_all()?;
+        fs::rename(&tmp, out)?;
+        Ok(token_at)
+    })();
+    if result.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    result
+}
+
+/// Overwrites the `len` token bytes at `at` of a sandbox's initramfs with `0` characters,
+/// in place (the file keeps its size and stays a valid archive), once the guest has read it.
+pub fn scrub_token(path: &Path, at: u64, len: usize) -> io::Result<()> {
+    use std::io::{Seek, SeekFrom};
+    let mut f = fs::OpenOptions::new().write(true).open(path)?;
+    f.seek(SeekFrom::Start(at))?;
+    f.write_all(&vec![b'0'; len])?;
+    f.sync_all()
 }
 
 fn temp_path(out: &Path) -> PathBuf {
@@ -327,6 +374,43 @@ mod tests {
         assert_eq!(fs::read(&out).unwrap(), bytes, "a failed write touched out");
         let count = fs::read_dir(&dir).unwrap().count();
         assert_eq!(count, 3, "a temporary file was left behind");
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn token_archive_is_private_and_scrubbed_in_place() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = temp_dir("token");
+        for base_len in [0usize, 1, 4, 513] {
+            let base: Vec<u8> = (0..base_len).map(|i| (i % 251) as u8 | 1).collect();
+            fs::write(dir.join("base"), &base).unwrap();
+            let out = dir.join("out");
+            let token = "tok-abc_123";
+            let at = initramfs_with_token(&dir.join("base"), token, &out).unwrap();
+            assert_eq!(
+                fs::metadata(&out).unwrap().permissions().mode() & 0o777,
+                0o600
+            );
+            let bytes = fs::read(&out).unwrap();
+            assert_eq!(&bytes[..base_len], &base[..]);
+            let start = base_len + pad4(base_len);
+            let entries = parse_newc(&bytes[start..], start);
+            assert_eq!(entries.len(), 1);
+            assert_eq!(entries[0].name, "space-token");
+            assert_eq!(entries[0].mode, 0o100_600);
+            assert_eq!(entries[0].data, token.as_bytes());
+            assert_eq!(
+                &bytes[at as usize..at as usize + token.len()],
+                token.as_bytes()
+            );
+
+            scrub_token(&out, at, token.len()).unwrap();
+            let scrubbed = fs::read(&out).unwrap();
+            assert_eq!(scrubbed.len(), bytes.len());
+            let entries = parse_newc(&scrubbed[start..], start);
+            assert_eq!(entries[0].data, vec![b'0'; token.len()]);
+            assert!(!scrubbed.windows(token.len()).any(|w| w == token.as_bytes()));
+        }
         fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -21,7 +21,9 @@
 //!
 //! ```text
 //! <state_dir>/disk.qcow2    the sandbox's disk (kept by stop and checkpoint)
-//! <state_dir>/launch.json   QEMU's argument list (0600: it holds the agent token), for restore
+//! <state_dir>/launch.json   QEMU's argument list (0600), for restore
+//! <state_dir>/initramfs.cpio the guest's initramfs with the agent and the agent's token
+//!                           (0600; the token is overwritten once the guest has read it)
 //! <state_dir>/qemu.pid      QEMU's pid while it runs
 //! <state_dir>/qmp.sock      QMP, for lifecycle operations
 //! <state_dir>/status.sock   QMP, for status and stop (never behind a long operation)
@@ -58,6 +60,8 @@ pub const GUEST_VERSION: &str = "VERSION";
 
 /// Files in a sandbox's state directory.
 const DISK_FILE: &str = "disk.qcow2";
+/// The sandbox's own initramfs: the shared one plus an archive with the agent's token.
+const INITRAMFS_FILE: &str = "initramfs.cpio";
 const LAUNCH_FILE: &str = "launch.json";
 const PID_FILE: &str = "qemu.pid";
 const QMP_SOCKET: &str = "qmp.sock";
@@ -446,7 +450,6 @@ impl MicrovmRuntime {
     fn qemu_args(
         &self,
         spec: &SandboxSpec,
-        token: &str,
         initramfs: &Path,
     ) -> Result<Vec<String>, RuntimeError> {
         let state = &spec.state_dir;
@@ -471,7 +474,6 @@ impl MicrovmRuntime {
         }
         for (what, value) in [
             ("id", spec.id.as_str()),
-            ("token", token),
             ("hostname", spec.hostname.as_str()),
         ] {
             if value.is_empty()
@@ -492,7 +494,7 @@ impl MicrovmRuntime {
             spec.memory_mib
         };
         let mut cmdline = format!(
-            "console=ttyS0 quiet panic=-1 space.id={} space.token={token} space.pids={} space.disk=1 space.hostname={}",
+            "console=ttyS0 quiet panic=-1 space.id={} space.pids={} space.disk=1 space.hostname={}",
             spec.id, spec.pids, spec.hostname
         );
         let (accel, cpu) = match self.accel {
@@ -611,7 +613,19 @@ impl Runtime for MicrovmRuntime {
             .to_owned();
         let agent = spec.agent_dir.join("space-agent");
         let base = image::rootfs_image(&self.cfg.images_dir, &spec.rootfs).await?;
-        let initramfs = image::initramfs(&self.cfg.images_dir, &self.cfg.guest_dir, &agent).await?;
+        let shared = image::initramfs(&self.cfg.images_dir, &self.cfg.guest_dir, &agent).await?;
+        // The token goes in the sandbox's own initramfs, not on the kernel command line
+        // (the guest's /proc/cmdline, QEMU's argv on the host).
+        let initramfs = state.join(INITRAMFS_FILE);
+        let token_at = {
+            let (shared, out, token) = (shared.clone(), initramfs.clone(), token.clone());
+            tokio::task::spawn_blocking(move || {
+                crate::guest::initramfs_with_token(&shared, &token, &out)
+            })
+            .await
+            .map_err(|e| RuntimeError::io("writing the initramfs", std::io::Error::other(e)))?
+            .map_err(|e| RuntimeError::io(format!("writing {}", initramfs.display()), e))?
+        };
         let base_mib = std::fs::metadata(&base)
             .map_err(|e| RuntimeError::io(format!("reading {}", base.display()), e))?
             .len()
@@ -621,7 +635,7 @@ impl Runtime for MicrovmRuntime {
         } else {
             spec.disk_mib
         };
-        let args = self.qemu_args(spec, &token, &initramfs)?;
+        let args = self.qemu_args(spec, &initramfs)?;
         check_qemu_path(&base)?;
         let disk = state.join(DISK_FILE);
         if !disk.exists() {
@@ -665,6 +679,11 @@ impl Runtime for MicrovmRuntime {
             // Nothing of a failed boot keeps running.
             let _ = self.kill_vm(&spec.id, state).await;
             return Err(e);
+        }
+        // The guest has unpacked it (its agent runs): the copy on disk need not hold the
+        // token any more. Same size, so a restore from a checkpoint boots from it unchanged.
+        if let Err(e) = crate::guest::scrub_token(&initramfs, token_at, token.len()) {
+            tracing::warn!(sandbox = %spec.id, error = %e, "cannot scrub the token from the initramfs");
         }
         tracing::info!(sandbox = %spec.id, accel = %self.accel, "microVM started");
         Ok(())

@@ -317,15 +317,17 @@ async fn guest_boots_the_agent_grows_the_disk_and_survives_a_reconnect() {
             .arg(&overlay)
             .arg(format!("{OVERLAY_MIB}M")),
     );
-    guest::initramfs_with_agent(&files.initramfs, &agent, &initrd).expect("initramfs");
+    let with_agent = dir.0.join("initramfs-agent");
+    guest::initramfs_with_agent(&files.initramfs, &agent, &with_agent).expect("initramfs");
     let listener = UnixListener::bind(&sock).expect("bind");
 
     let mut token_bytes = [0u8; 16];
     getrandom::getrandom(&mut token_bytes).expect("random");
     let token: String = token_bytes.iter().map(|b| format!("{b:02x}")).collect();
-    let mut append = format!(
-        "console=ttyS0 quiet panic=-1 space.id={SANDBOX} space.token={token} space.pids=256 space.disk=1"
-    );
+    // The token travels in the initramfs, never on the command line.
+    guest::initramfs_with_token(&with_agent, &token, &initrd).expect("token initramfs");
+    let mut append =
+        format!("console=ttyS0 quiet panic=-1 space.id={SANDBOX} space.pids=256 space.disk=1");
     if let Some(khz) = guest::host_tsc_khz() {
         append.push_str(&format!(" tsc_early_khz={khz}"));
     }

@@ -39,6 +39,10 @@ pub struct SandboxRecord {
     /// Where the snapshot of a suspended sandbox is.
     #[serde(default)]
     pub snapshot_dir: Option<String>,
+    /// The sandbox's secrets (`sandbox.secret_names` has their names): given to every
+    /// command, never part of an API response or an event.
+    #[serde(default)]
+    pub secrets: std::collections::BTreeMap<String, String>,
 }
 
 const MIGRATIONS: &[&str] = &[
@@ -518,6 +522,7 @@ mod tests {
                 labels: Default::default(),
                 resources: Resources::default(),
                 env: Default::default(),
+                secret_names: vec![],
                 network: NetworkSpec {
                     mode: "none".into(),
                 },
@@ -539,6 +544,7 @@ mod tests {
             template_user: None,
             template_workdir: None,
             snapshot_dir: None,
+            secrets: Default::default(),
         }
     }
 

@@ -122,6 +122,8 @@ impl Service {
         }
         let cmd_env = req.env.unwrap_or_default();
         validate_env(&cmd_env)?;
+        let cmd_secrets = req.secrets.unwrap_or_default();
+        validate_secrets(&cmd_secrets)?;
         for (what, v) in [("cwd", &req.cwd), ("user", &req.user)] {
             if v.as_ref()
                 .is_some_and(|v| v.is_empty() || v.len() > 4096 || v.contains('\0'))
@@ -146,6 +148,11 @@ impl Service {
         let mut env: BTreeMap<String, String> = rec.template_env.iter().cloned().collect();
         env.extend(rec.sandbox.env.clone());
         env.extend(cmd_env);
+        // The sandbox's secrets, then the command's: over any env of the same name (the
+        // agent puts them last). They travel apart from `env` so no record of it holds them.
+        let mut secrets = rec.secrets.clone();
+        secrets.extend(cmd_secrets);
+        let secret_names: Vec<String> = secrets.keys().cloned().collect();
         let user = req.user.clone().or(rec.template_user.clone());
         let cwd = req.cwd.clone().or(rec.template_workdir.clone());
         let id = new_id("cmd");
@@ -153,6 +160,7 @@ impl Service {
             id: id.clone(),
             argv: argv.clone(),
             env: env.into_iter().collect(),
+            secrets: secrets.into_iter().collect(),
             cwd: cwd.clone(),
             user: user.clone(),
             timeout_ms: (timeout > 0).then(|| timeout * 1000),
@@ -175,6 +183,7 @@ impl Service {
             argv,
             cwd,
             user,
+            secret_names,
             stdin: interactive,
             pty,
             timeout_seconds: (timeout > 0).then_some(timeout),
@@ -837,4 +846,54 @@ fn append_checked(
     writer
         .append(stream, data)
         .map_err(|e| format!("storing the output failed: {e}"))
+}
+
+/// Most secrets of a sandbox or a command, and their bounds.
+const MAX_SECRETS: usize = 128;
+const MAX_SECRET_NAME: usize = 256;
+const MAX_SECRET_VALUE: usize = 64 * 1024;
+const MAX_SECRETS_BYTES: usize = 256 * 1024;
+
+/// Secrets are environment variables with portable names (`[A-Za-z_][A-Za-z0-9_]*`),
+/// bounded in number and size. Errors name the variable, never its value.
+pub(crate) fn validate_secrets(secrets: &BTreeMap<String, String>) -> Result<(), ServiceError> {
+    if secrets.len() > MAX_SECRETS {
+        return Err(ServiceError::BadRequest(format!(
+            "at most {MAX_SECRETS} secrets"
+        )));
+    }
+    let mut total = 0usize;
+    for (name, value) in secrets {
+        let mut bytes = name.bytes();
+        let valid = name.len() <= MAX_SECRET_NAME
+            && bytes
+                .next()
+                .is_some_and(|b| b.is_ascii_alphabetic() || b == b'_')
+            && bytes.all(|b| b.is_ascii_alphanumeric() || b == b'_');
+        if !valid {
+            let shown: String = name.chars().take(64).collect();
+            return Err(ServiceError::BadRequest(format!(
+                "invalid secret name {shown:?}: names are [A-Za-z_][A-Za-z0-9_]*, at most {MAX_SECRET_NAME} bytes"
+            )));
+        }
+        if value.contains('\0') {
+            return Err(ServiceError::BadRequest(format!(
+                "secret {name} contains a NUL byte"
+            )));
+        }
+        if value.len() > MAX_SECRET_VALUE {
+            return Err(ServiceError::BadRequest(format!(
+                "secret {name} is larger than {} KiB",
+                MAX_SECRET_VALUE / 1024
+            )));
+        }
+        total += name.len() + value.len();
+    }
+    if total > MAX_SECRETS_BYTES {
+        return Err(ServiceError::BadRequest(format!(
+            "secrets larger than {} KiB in all",
+            MAX_SECRETS_BYTES / 1024
+        )));
+    }
+    Ok(())
 }

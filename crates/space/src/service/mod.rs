@@ -263,6 +263,8 @@ impl Service {
         }
         let env = req.env.clone().unwrap_or_default();
         validate_env(&env)?;
+        let secrets = req.secrets.clone().unwrap_or_default();
+        commands::validate_secrets(&secrets)?;
         let labels = req.labels.clone().unwrap_or_default();
         validate_labels(&labels)?;
         let template = match self.0.templates.get(&template_name) {
@@ -295,6 +297,7 @@ impl Service {
                 labels,
                 resources,
                 env,
+                secret_names: secrets.keys().cloned().collect(),
                 network,
                 created_at: now.clone(),
                 updated_at: now.clone(),
@@ -319,6 +322,7 @@ impl Service {
             template_user: template.as_ref().and_then(|t| t.user.clone()),
             template_workdir: template.as_ref().and_then(|t| t.workdir.clone()),
             snapshot_dir: None,
+            secrets,
         };
         let op = new_operation(OperationKind::Create, Some(&id));
         self.0.store.insert_sandbox(&rec, &op)?;
