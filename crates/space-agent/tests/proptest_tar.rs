@@ -214,7 +214,7 @@ fn push_record(
     out.extend_from_slice(h.as_bytes());
     out.extend_from_slice(data);
     let pad = (512 - data.len() % 512) % 512;
-    out.extend(std::iter::repeat(0).take(pad));
+    out.resize(out.len() + pad, 0);
 }
 
 fn build_tar(entries: &[Entry], escape: &Path) -> Vec<u8> {

@@ -5,9 +5,11 @@
 mod commands;
 mod events;
 mod files;
+mod openapi;
 mod operations;
 mod sandboxes;
 mod templates;
+pub mod tenancy;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -32,7 +34,7 @@ const MAX_WAIT: Duration = Duration::from_secs(600);
 #[derive(Clone)]
 pub struct AppState {
     pub service: Service,
-    pub token: Arc<String>,
+    pub tenancy: Arc<tenancy::Tenancy>,
 }
 
 pub fn router(state: AppState) -> Router {
@@ -79,6 +81,7 @@ pub fn router(state: AppState) -> Router {
         .route("/templates/:name", axum::routing::delete(templates::delete))
         .route("/operations/:id/log", get(operations::log))
         .route("/events", get(events::stream))
+        .route("/openapi.json", get(openapi::document))
         .route(
             "/runtimes",
             get(|State(st): State<AppState>| async move {
@@ -86,7 +89,11 @@ pub fn router(state: AppState) -> Router {
             }),
         )
         .fallback(not_found)
-        .layer(middleware::from_fn_with_state(state.clone(), auth));
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            tenancy::ownership,
+        ))
+        .layer(middleware::from_fn_with_state(state.clone(), tenancy::auth));
     Router::new()
         .route(
             "/healthz",
@@ -100,30 +107,6 @@ pub fn router(state: AppState) -> Router {
 
 async fn not_found() -> Response {
     error(StatusCode::NOT_FOUND, "not_found", "no such endpoint")
-}
-
-/// Bearer-token auth on every `/v1` route.
-async fn auth(State(state): State<AppState>, req: Request, next: Next) -> Response {
-    let presented = req
-        .headers()
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .map(str::trim);
-    let ok = presented.is_some_and(|t| constant_time_eq(t.as_bytes(), state.token.as_bytes()));
-    if !ok {
-        let mut resp = error(
-            StatusCode::UNAUTHORIZED,
-            "unauthorized",
-            "missing or wrong bearer token",
-        );
-        resp.headers_mut().insert(
-            header::WWW_AUTHENTICATE,
-            "Bearer".parse().expect("static header"),
-        );
-        return resp;
-    }
-    next.run(req).await
 }
 
 /// One structured log line per request.
@@ -140,10 +123,6 @@ async fn log_request(req: Request, next: Next) -> Response {
         "request"
     );
     resp
-}
-
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 pub fn error(status: StatusCode, code: &str, message: impl Into<String>) -> Response {
@@ -174,6 +153,7 @@ impl IntoResponse for HttpError {
             ServiceError::InvalidTransition(_) => (StatusCode::CONFLICT, "invalid_transition"),
             ServiceError::Unavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
             ServiceError::Forbidden(_) => (StatusCode::FORBIDDEN, "forbidden"),
+            ServiceError::TooMany { .. } => (StatusCode::TOO_MANY_REQUESTS, "too_many_requests"),
             ServiceError::Store(_) | ServiceError::Internal(_) => {
                 tracing::error!(error = %error_chain(&self.0), "internal error");
                 (StatusCode::INTERNAL_SERVER_ERROR, "internal")
@@ -183,7 +163,16 @@ impl IntoResponse for HttpError {
             ServiceError::Store(_) => "internal storage error".to_string(),
             e => e.to_string(),
         };
-        error(status, code, message)
+        let mut resp = error(status, code, message);
+        if let ServiceError::TooMany {
+            retry_after: Some(s),
+            ..
+        } = &self.0
+        {
+            resp.headers_mut()
+                .insert(header::RETRY_AFTER, header::HeaderValue::from(*s));
+        }
+        resp
     }
 }
 
