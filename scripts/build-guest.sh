@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the microVM guest of space into OUT_DIR:
 #   vmlinuz            Debian's cloud kernel (the package linux-image-cloud-amd64 depends on)
-#   initramfs.cpio.gz  busybox-static, the virtio/vsock modules, resize2fs and /init (guest/init.sh)
+#   initramfs.cpio.gz  busybox-static, the virtio/vsock/virtio-net modules, resize2fs and /init
+#                      (guest/init.sh)
 #   VERSION            one line: "<kernel package>=<version> <hash of the initramfs inputs>"
 # The host appends the agent to the initramfs at boot (space_runtime::guest::initramfs_with_agent).
 #
@@ -126,7 +127,7 @@ moddir="$(find "$work/kernel/lib/modules" -mindepth 1 -maxdepth 1 -type d -print
 # The .deb ships no modules.dep (depmod makes it at install), so dependencies come from each
 # module's own modinfo `depends=` field. Modules are stored uncompressed under their names and
 # loaded with insmod in the order listed in /lib/modules/order.
-wanted=(virtio_mmio virtio_blk virtio_console virtio_rng vmw_vsock_virtio_transport)
+wanted=(virtio_mmio virtio_blk virtio_console virtio_rng vmw_vsock_virtio_transport virtio_net)
 declare -A modfile=()
 while IFS= read -r -d '' f; do
   name="$(basename "$f")"

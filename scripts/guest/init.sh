@@ -8,6 +8,8 @@
 #   /space-token: the agent's token (0600), in a third cpio archive the host appends to the
 #     sandbox's own initramfs. It is copied to /.space/run/token for the agent, which
 #     deletes it; switch_root deletes the initramfs' copy.
+#   space.net=ADDR/PREFIX,GATEWAY (egress sandboxes only): eth0, the one virtio-net NIC, gets
+#     that address and a default route; IPv6 is switched off.
 #   /dev/vda (first virtio-blk device): the root filesystem, ext4. With space.disk=1 it is
 #     grown online to the size of the device.
 #   virtio-serial port named `space.agent`: the agent's byte stream to the host
@@ -33,7 +35,7 @@ exec </dev/console >/dev/console 2>&1
 mount -t proc -o nosuid,nodev,noexec proc /proc || fail "cannot mount /proc"
 mount -t sysfs -o nosuid,nodev,noexec sysfs /sys || fail "cannot mount /sys"
 
-id= pids= disk= hostname=
+id= pids= disk= hostname= net=
 # shellcheck disable=SC2013 # words, not lines
 for word in $(cat /proc/cmdline); do
   case "$word" in
@@ -41,6 +43,7 @@ for word in $(cat /proc/cmdline); do
     space.pids=*) pids="${word#space.pids=}" ;;
     space.disk=*) disk="${word#space.disk=}" ;;
     space.hostname=*) hostname="${word#space.hostname=}" ;;
+    space.net=*) net="${word#space.net=}" ;;
   esac
 done
 [ -n "$id" ] || fail "no space.id= on the kernel command line"
@@ -115,6 +118,20 @@ ln -sf /proc/self/fd/1 $r/dev/stdout
 ln -sf /proc/self/fd/2 $r/dev/stderr
 
 ip link set lo up 2>/dev/null
+if [ -n "$net" ]; then
+  # Egress (space.net=ADDR/PREFIX,GATEWAY): the one virtio-net NIC, IPv4 only. What it
+  # may reach is decided by the host's firewall, not here.
+  tries=0
+  while [ ! -e $r/sys/class/net/eth0 ]; do
+    tries=$((tries + 1))
+    [ "$tries" -le 100 ] || fail "space.net is set but no eth0 (virtio-net) after 5 s; interfaces: $(ls $r/sys/class/net | tr '\n' ' ')"
+    sleep 0.05
+  done
+  for f in $r/proc/sys/net/ipv6/conf/*/disable_ipv6; do echo 1 >"$f" 2>/dev/null; done
+  ip addr add "${net%,*}" dev eth0 || fail "cannot set the address ${net%,*} on eth0"
+  ip link set eth0 up || fail "cannot bring eth0 up"
+  ip route add default via "${net#*,}" dev eth0 || fail "cannot route via ${net#*,}"
+fi
 hostname "${hostname:-$id}" 2>/dev/null
 
 exec env -i \

@@ -28,6 +28,23 @@ pub struct SandboxSpec {
     /// inside the sandbox. 0 means no limit.
     pub disk_mib: u64,
     pub hostname: String,
+    /// `None`: no network device but loopback. `Some`: one link to the host whose
+    /// outbound traffic the host's firewall limits to `allow`.
+    pub network: Option<EgressConfig>,
+}
+
+/// Where an egress sandbox may open connections to (already resolved and checked).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct EgressConfig {
+    pub allow: Vec<EgressAllow>,
+}
+
+/// One allowed destination: an IPv4 network and optionally one port (TCP and UDP).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct EgressAllow {
+    pub addr: std::net::Ipv4Addr,
+    pub prefix: u8,
+    pub port: Option<u16>,
 }
 
 /// What a runtime reports about a sandbox it may or may not know.

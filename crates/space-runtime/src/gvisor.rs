@@ -6,6 +6,11 @@
 //! The container's PID 1 is `space-agent`, bind-mounted read-only from the
 //! host; the per-sandbox run directory (agent socket + token) is bind-mounted
 //! read-write, and `--host-uds=open` lets the agent dial the host's socket.
+//!
+//! An egress sandbox (`SandboxSpec::network`) runs with `--network=sandbox` in the
+//! network namespace [`crate::net`] made for it; runsc copies the link into gVisor's
+//! own network stack, so the sandbox's packets leave through a veth into the host's
+//! firewall.
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
@@ -17,7 +22,7 @@ use serde_json::json;
 use space_core::runtime::{Runtime, RuntimeError, RuntimeStatus, SandboxSpec};
 use tokio::process::Command;
 
-use crate::disk;
+use crate::{disk, net};
 
 /// Where the agent binary's directory is mounted inside the sandbox.
 pub const AGENT_DIR_IN_SANDBOX: &str = "/.space/bin";
@@ -50,12 +55,20 @@ impl GvisorRuntime {
     }
 
     fn command(&self, args: &[&str]) -> Command {
+        self.command_net(args, false)
+    }
+
+    /// A runsc command; `networked`: the sandbox has an egress link (`--network=sandbox`).
+    fn command_net(&self, args: &[&str], networked: bool) -> Command {
         let mut cmd = Command::new(&self.runsc);
         cmd.arg("--root").arg(&self.state_root);
         // runsc reads its global flags on every call, not only at create.
         cmd.arg(format!("--platform={}", self.platform))
-            .arg("--network=none")
+            .arg(network_flag(networked))
             .arg("--host-uds=open");
+        if networked {
+            net::hide_proc_sys_net(&mut cmd);
+        }
         cmd.args(args);
         cmd.stdin(Stdio::null());
         cmd.kill_on_drop(false);
@@ -64,8 +77,12 @@ impl GvisorRuntime {
 
     /// Runs a short runsc subcommand and returns its stdout.
     async fn run(&self, args: &[&str]) -> Result<Vec<u8>, RuntimeError> {
+        self.run_net(args, false).await
+    }
+
+    async fn run_net(&self, args: &[&str], networked: bool) -> Result<Vec<u8>, RuntimeError> {
         let out = self
-            .command(args)
+            .command_net(args, networked)
             .output()
             .await
             .map_err(|e| RuntimeError::io(format!("running {}", self.runsc.display()), e))?;
@@ -127,6 +144,14 @@ impl GvisorRuntime {
             let host = spec.pids.saturating_mul(4).saturating_add(256);
             resources.insert("pids".into(), json!({"limit": host}));
         }
+        // An egress sandbox joins the namespace holding its end of the link; runsc
+        // (`--network=sandbox`) copies its address and route into gVisor's own stack.
+        let netns = match &spec.network {
+            Some(_) => json!({"type": "network", "path": format!(
+                "{}/{}", net::NETNS_DIR, net::names(&spec.id, net::LinkKind::Veth).netns
+            )}),
+            None => json!({"type": "network"}),
+        };
         json!({
             "ociVersion": "1.0.2",
             "process": {
@@ -160,7 +185,7 @@ impl GvisorRuntime {
             ],
             "linux": {
                 "namespaces": [
-                    {"type": "pid"}, {"type": "network"}, {"type": "ipc"},
+                    {"type": "pid"}, netns, {"type": "ipc"},
                     {"type": "uts"}, {"type": "mount"}
                 ],
                 "resources": resources,
@@ -184,11 +209,15 @@ impl GvisorRuntime {
             .map_err(|e| RuntimeError::io("opening the console log", e))?;
         let before = console.metadata().map(|m| m.len()).unwrap_or(0);
         let overlay = state_dir.join("overlay");
+        let networked = is_networked(state_dir);
         let mut cmd = Command::new(&self.runsc);
+        if networked {
+            net::hide_proc_sys_net(&mut cmd);
+        }
         cmd.arg("--root")
             .arg(&self.state_root)
             .arg(format!("--platform={}", self.platform))
-            .arg("--network=none")
+            .arg(network_flag(networked))
             .arg("--host-uds=open")
             .arg(format!("--overlay2=root:dir={}", overlay.display()))
             .arg("--cpu-num-from-quota")
@@ -253,6 +282,10 @@ impl Runtime for GvisorRuntime {
             spec.disk_mib,
         )
         .await?;
+        if let Some(cfg) = spec.network.clone() {
+            let (id, dir) = (spec.id.clone(), spec.state_dir.clone());
+            blocking(move || net::setup(&id, &dir, net::LinkKind::Veth, &cfg)).await?;
+        }
         let config = serde_json::to_vec_pretty(&self.oci_spec(spec)).unwrap_or_default();
         tokio::fs::write(bundle.join("config.json"), config)
             .await
@@ -270,8 +303,11 @@ impl Runtime for GvisorRuntime {
         .await?;
         let overlay_flag = format!("root:dir={}", overlay.display());
         let overlay_arg = format!("--overlay2={overlay_flag}");
-        self.run(&[&overlay_arg, "--cpu-num-from-quota", "start", &spec.id])
-            .await?;
+        self.run_net(
+            &[&overlay_arg, "--cpu-num-from-quota", "start", &spec.id],
+            spec.network.is_some(),
+        )
+        .await?;
         Ok(())
     }
 
@@ -285,6 +321,8 @@ impl Runtime for GvisorRuntime {
 
     async fn destroy(&self, id: &str, state_dir: &Path) -> Result<(), RuntimeError> {
         self.stop(id, state_dir).await?;
+        let owned = id.to_owned();
+        blocking(move || net::teardown(&owned)).await?;
         match tokio::fs::remove_dir_all(state_dir).await {
             Ok(()) => Ok(()),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
@@ -350,8 +388,11 @@ impl Runtime for GvisorRuntime {
             .await
             .map_err(|e| RuntimeError::io(format!("creating {}", image_dir.display()), e))?;
         let image = image_dir.to_string_lossy().into_owned();
-        self.run(&["checkpoint", "--image-path", &image, id])
-            .await?;
+        self.run_net(
+            &["checkpoint", "--image-path", &image, id],
+            is_networked(state_dir),
+        )
+        .await?;
         // The sandbox stops by itself once its state is saved (a forced delete
         // would only race it); then release what is left of it.
         let mut delay = Duration::from_millis(5);
@@ -398,6 +439,10 @@ impl Runtime for GvisorRuntime {
         if image.exists() {
             disk::ensure_mounted(&image, &state_dir.join("overlay"), 1).await?;
         }
+        // runsc took the addresses off the namespace's end when it started: make the
+        // link again, as it was, for the restored sandbox to copy.
+        let (owned, dir) = (id.to_owned(), state_dir.to_path_buf());
+        blocking(move || net::ensure(&owned, &dir)).await?;
         self.launch(
             state_dir,
             &[
@@ -451,6 +496,28 @@ impl Runtime for GvisorRuntime {
             })
             .unwrap_or_default())
     }
+}
+
+fn network_flag(networked: bool) -> &'static str {
+    if networked {
+        "--network=sandbox"
+    } else {
+        "--network=none"
+    }
+}
+
+/// Whether the sandbox of `state_dir` has an egress link.
+fn is_networked(state_dir: &Path) -> bool {
+    state_dir.join(net::STATE_FILE).exists()
+}
+
+/// Runs blocking host work (network setup) off the async threads.
+pub(crate) async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, RuntimeError> + Send + 'static,
+) -> Result<T, RuntimeError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| RuntimeError::io("network setup", std::io::Error::other(e)))?
 }
 
 /// Pids of runsc processes (sandbox, gofer) whose command line contains `needle`.

@@ -5,6 +5,7 @@ pub mod disk;
 pub mod guest;
 pub mod gvisor;
 pub mod microvm;
+pub mod net;
 pub mod template;
 
 /// Total bytes of the regular files under `dir` (what a snapshot or a layer costs on disk).

@@ -53,6 +53,8 @@ use tokio::process::Command;
 
 use qmp::{Qmp, QmpError};
 
+use crate::net;
+
 /// Files of the guest directory.
 pub const GUEST_KERNEL: &str = "vmlinuz";
 pub const GUEST_INITRAMFS: &str = "initramfs.cpio.gz";
@@ -447,11 +449,7 @@ impl MicrovmRuntime {
     }
 
     /// The QEMU argument list of a sandbox.
-    fn qemu_args(
-        &self,
-        spec: &SandboxSpec,
-        initramfs: &Path,
-    ) -> Result<Vec<String>, RuntimeError> {
+    fn qemu_args(&self, spec: &SandboxSpec, initramfs: &Path) -> Result<Vec<String>, RuntimeError> {
         let state = &spec.state_dir;
         let agent_socket = spec.run_dir.join(AGENT_SOCKET);
         let qmp_socket = state.join(QMP_SOCKET);
@@ -637,6 +635,19 @@ impl Runtime for MicrovmRuntime {
         };
         let args = self.qemu_args(spec, &initramfs)?;
         check_qemu_path(&base)?;
+        // An egress sandbox: a tap of its own on the host, a virtio-net NIC in the guest,
+        // and its address on the kernel command line (the guest's /init configures it).
+        let args = match spec.network.clone() {
+            Some(cfg) => {
+                let (id, dir) = (spec.id.clone(), state.to_path_buf());
+                let link = crate::gvisor::blocking(move || {
+                    net::setup(&id, &dir, net::LinkKind::Tap, &cfg)
+                })
+                .await?;
+                with_nic(args, &link)
+            }
+            None => args,
+        };
         let disk = state.join(DISK_FILE);
         if !disk.exists() {
             // The guest grows its filesystem to the overlay's size: what it can write is the
@@ -712,6 +723,8 @@ impl Runtime for MicrovmRuntime {
 
     async fn destroy(&self, id: &str, state_dir: &Path) -> Result<(), RuntimeError> {
         self.stop(id, state_dir).await?;
+        let owned = id.to_owned();
+        crate::gvisor::blocking(move || net::teardown(&owned)).await?;
         match tokio::fs::remove_dir_all(state_dir).await {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
@@ -853,6 +866,9 @@ impl Runtime for MicrovmRuntime {
         // A VM left over from a failed attempt would hold the disk.
         self.kill_vm(id, state_dir).await?;
         self.set_marker(id, state_dir)?;
+        // The tap is there still unless the host lost it; the guest keeps its address.
+        let (owned, dir) = (id.to_owned(), state_dir.to_path_buf());
+        crate::gvisor::blocking(move || net::ensure(&owned, &dir)).await?;
         let restored = async {
             let mut qmp = self.launch(id, state_dir, Some(&memory)).await?;
             let agent_socket = agent_socket_of(state_dir)?;
@@ -881,6 +897,29 @@ impl Runtime for MicrovmRuntime {
     fn disk_bytes(&self, _id: &str, state_dir: &Path) -> Option<u64> {
         crate::disk::image_bytes(&state_dir.join(DISK_FILE))
     }
+}
+
+/// QEMU arguments plus a virtio-net NIC on the sandbox's tap, and the guest's
+/// address (`space.net=ADDR/PREFIX,GATEWAY`) on its kernel command line.
+fn with_nic(mut args: Vec<String>, link: &net::NetState) -> Vec<String> {
+    if let Some(i) = args.iter().position(|a| a == "-append") {
+        if let Some(cmdline) = args.get_mut(i + 1) {
+            cmdline.push_str(&format!(
+                " space.net={}/{},{}",
+                link.guest_ip, link.prefix, link.host_ip
+            ));
+        }
+    }
+    args.extend([
+        "-netdev".into(),
+        format!(
+            "tap,id=net0,ifname={},script=no,downscript=no",
+            link.host_if
+        ),
+        "-device".into(),
+        format!("virtio-net-device,netdev=net0,mac={}", link.guest_mac()),
+    ]);
+    args
 }
 
 /// The `-chardev` of the agent's port: a client of the host's socket that redials.

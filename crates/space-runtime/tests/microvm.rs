@@ -134,6 +134,7 @@ async fn vm(tag: &str, disk_mib: u64) -> Option<Vm> {
         pids: 256,
         disk_mib,
         hostname: id.replace('_', "-"),
+        network: None,
     };
     Some(Vm {
         _guard: KillOnDrop(dir.path().join("sb")),
@@ -440,6 +441,7 @@ async fn unknown_sandboxes_and_bad_paths() {
         pids: 0,
         disk_mib: 0,
         hostname: "sb-deep".into(),
+        network: None,
     };
     let err = rt.create(&spec).await.unwrap_err();
     assert!(err.to_string().contains("Unix socket"), "{err}");

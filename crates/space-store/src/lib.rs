@@ -526,6 +526,7 @@ mod tests {
                 network: NetworkSpec {
                     mode: "none".into(),
                 },
+                    ..Default::default()
                 created_at: space_core::now_rfc3339(),
                 updated_at: space_core::now_rfc3339(),
                 expires_at: None,

@@ -10,6 +10,7 @@ pub mod agent;
 mod commands;
 mod files;
 mod lifecycle;
+mod network;
 pub mod output;
 mod reconcile;
 mod retention;
@@ -23,8 +24,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use space_api::{
-    ApiError, CreateSandboxRequest, NetworkSpec, Operation, OperationKind, OperationStatus,
-    Resources, Sandbox, SandboxState,
+    ApiError, CreateSandboxRequest, Operation, OperationKind, OperationStatus, Resources, Sandbox,
+    SandboxState,
 };
 use space_core::runtime::{RuntimeError, RuntimeStatus, SandboxSpec};
 use space_core::{new_id, new_token, now_rfc3339, transition, InvalidTransition, SandboxEvent};
@@ -241,15 +242,9 @@ impl Service {
             .get(&runtime)
             .map_err(ServiceError::BadRequest)?;
         let accelerator = self.0.runtimes.accelerator(&runtime);
-        let network = req.network.clone().unwrap_or(NetworkSpec {
-            mode: "none".into(),
-        });
-        if network.mode != "none" {
-            return Err(ServiceError::BadRequest(format!(
-                "network mode {:?} is not supported: only \"none\" is",
-                network.mode
-            )));
-        }
+        // Hostnames of an egress allowlist resolve here, once; the stored result is what
+        // every boot and restore of the sandbox enforces.
+        let network = network::resolve(req.network.as_ref())?;
         if let Some(ttl) = req.ttl_seconds {
             retention::check_lifetime("ttl_seconds", ttl)?;
         }
@@ -480,12 +475,13 @@ impl Service {
         })
         .map_err(internal)?;
         let mut rx = handle.agent.subscribe();
-        agent::wait_connected(&mut rx, AGENT_CONNECT_TIMEOUT)
+        let conn = agent::wait_connected(&mut rx, AGENT_CONNECT_TIMEOUT)
             .await
             .map_err(|_| {
                 ApiError::new(
                     "agent_timeout",
                     format!(
+            network: network::egress_config(&rec.sandbox.network),
                         "the sandbox's agent did not connect within {}s",
                         AGENT_CONNECT_TIMEOUT.as_secs()
                     ),
@@ -511,6 +507,7 @@ impl Service {
             .update_sandbox_and_op(&rec, &op)
             .map_err(internal)?;
         if template.start.is_none() {
+        network::write_hosts(&conn, &rec.sandbox.network).await?;
             self.spawn_monitor(handle);
         }
         tracing::info!(sandbox = %id, operation = %op_id, "sandbox running");

@@ -37,6 +37,11 @@ impl TestServer {
     }
 
     pub async fn start_with(extra: &[&str]) -> TestServer {
+        Self::start_with_env(extra, &[]).await
+    }
+
+    /// A server started with extra arguments and extra environment.
+    pub async fn start_with_env(extra: &[&str], env: &[(&str, &str)]) -> TestServer {
         let data = tempfile::Builder::new()
             .prefix("sp")
             .tempdir_in("/tmp")
@@ -47,7 +52,10 @@ impl TestServer {
             data,
             http: reqwest::Client::new(),
             extra_args: extra.iter().map(|s| s.to_string()).collect(),
-            env: Vec::new(),
+            env: env
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
         };
         s.spawn();
         s

@@ -1,0 +1,156 @@
+//! The `network` of a sandbox: a create request's spec is checked and its allowlist
+//! resolved here (hostnames on the host, at create, once); the runtime enforces the
+//! stored result (`space_runtime::net`) and re-applies exactly it on every restore.
+//! Hostnames of the allowlist reach the sandbox as lines of its `/etc/hosts`, written
+//! through the agent once it is up (there is no DNS: a resolver is just another
+//! address, reachable only if allowed).
+
+use bytes::Bytes;
+use http::{Method, Request, StatusCode};
+use http_body_util::{BodyExt, Full, Limited};
+use space_api::{ApiError, EgressRule, NetworkSpec};
+use space_core::runtime::{EgressAllow, EgressConfig};
+use space_runtime::net;
+
+use super::agent::AgentConn;
+use super::ServiceError;
+
+/// Largest `/etc/hosts` the host reads back from a sandbox to extend it.
+const MAX_HOSTS_FILE: usize = 64 << 10;
+
+/// The network spec to store for a create request; a 400 for anything invalid.
+pub(crate) fn resolve(req: Option<&NetworkSpec>) -> Result<NetworkSpec, ServiceError> {
+    let bad = |m: String| Err(ServiceError::BadRequest(m));
+    let Some(n) = req else {
+        return Ok(NetworkSpec {
+            mode: "none".into(),
+            ..Default::default()
+        });
+    };
+    if n.resolved.is_some() {
+        return bad("network.resolved is set by the server; give network.allow".into());
+    }
+    match n.mode.as_str() {
+        "none" if n.allow.is_some() => bad("network.allow needs network.mode \"egress\"".into()),
+        "none" => Ok(NetworkSpec {
+            mode: "none".into(),
+            ..Default::default()
+        }),
+        "egress" => {
+            let Some(allow) = &n.allow else {
+                return bad("network.mode \"egress\" needs network.allow".into());
+            };
+            let resolved = net::resolve_allowlist(allow).map_err(ServiceError::BadRequest)?;
+            Ok(NetworkSpec {
+                mode: "egress".into(),
+                allow: Some(allow.clone()),
+                resolved: Some(
+                    resolved
+                        .iter()
+                        .map(|r| EgressRule {
+                            entry: r.entry.clone(),
+                            cidr: r.cidr(),
+                            port: r.port,
+                            host: r.host.clone(),
+                        })
+                        .collect(),
+                ),
+            })
+        }
+        other => bad(format!(
+            "network.mode {other:?} is not supported: \"none\" or \"egress\""
+        )),
+    }
+}
+
+fn parse_cidr(cidr: &str) -> Option<(std::net::Ipv4Addr, u8)> {
+    let (a, p) = cidr.split_once('/')?;
+    Some((a.parse().ok()?, p.parse().ok().filter(|p| *p <= 32)?))
+}
+
+/// What the runtime enforces for a stored spec (`None`: no network but loopback).
+pub(crate) fn egress_config(n: &NetworkSpec) -> Option<EgressConfig> {
+    if n.mode != "egress" {
+        return None;
+    }
+    let allow = n
+        .resolved
+        .iter()
+        .flatten()
+        .filter_map(|r| {
+            let (addr, prefix) = parse_cidr(&r.cidr)?;
+            Some(EgressAllow {
+                addr,
+                prefix,
+                port: r.port,
+            })
+        })
+        .collect();
+    Some(EgressConfig { allow })
+}
+
+/// Adds the allowlist's hostnames to the sandbox's `/etc/hosts` (once, at create).
+pub(crate) async fn write_hosts(conn: &AgentConn, n: &NetworkSpec) -> Result<(), ApiError> {
+    let mut lines = String::new();
+    for r in n.resolved.iter().flatten() {
+        if let (Some(host), Some((addr, 32))) = (&r.host, parse_cidr(&r.cidr)) {
+            let line = format!("{addr}\t{host}\n");
+            if !lines.contains(&line) {
+                lines.push_str(&line);
+            }
+        }
+    }
+    if lines.is_empty() {
+        return Ok(());
+    }
+    let failed = |what: String| ApiError::new("network_failed", what);
+    let uri = "http://agent/v1/files?path=/etc/hosts";
+    let get = Request::builder()
+        .method(Method::GET)
+        .uri(uri)
+        .body(
+            Full::new(Bytes::new())
+                .map_err(|n| match n {})
+                .boxed_unsync(),
+        )
+        .map_err(|e| failed(e.to_string()))?;
+    let resp = conn
+        .send(get)
+        .await
+        .map_err(|e| failed(format!("reading /etc/hosts: {e}")))?;
+    let mut text = if resp.status() == StatusCode::OK {
+        let body = Limited::new(resp.into_body(), MAX_HOSTS_FILE)
+            .collect()
+            .await
+            .map_err(|e| failed(format!("reading /etc/hosts: {e}")))?
+            .to_bytes();
+        String::from_utf8_lossy(&body).into_owned()
+    } else {
+        "127.0.0.1\tlocalhost\n".to_string()
+    };
+    if !text.is_empty() && !text.ends_with('\n') {
+        text.push('\n');
+    }
+    text.push_str("# space: the hostnames of network.allow, as resolved at create\n");
+    text.push_str(&lines);
+    let put = Request::builder()
+        .method(Method::PUT)
+        .uri(uri)
+        .body(
+            Full::new(Bytes::from(text))
+                .map_err(|n| match n {})
+                .boxed_unsync(),
+        )
+        .map_err(|e| failed(e.to_string()))?;
+    let resp = conn
+        .send(put)
+        .await
+        .map_err(|e| failed(format!("writing /etc/hosts: {e}")))?;
+    if !resp.status().is_success() {
+        return Err(failed(format!(
+            "writing /etc/hosts: the agent answered {}",
+            resp.status()
+        )));
+    }
+    Ok(())
+}
