@@ -144,11 +144,19 @@ fn accepted(r: crate::service::Result<space_api::Operation>) -> Response {
 pub async fn keepalive(
     State(st): State<AppState>,
     Path(id): Path<String>,
-    body: axum::body::Bytes,
+    body: axum::body::Body,
 ) -> Response {
     if let Err(r) = check_id(&id, "sb", "sandbox") {
         return r.into_response();
     }
+    // Our limit and error format, not axum's plain-text 413 (a `Bytes` extractor's).
+    let Ok(body) = axum::body::to_bytes(body, super::MAX_JSON_BODY).await else {
+        return error(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "body_too_large",
+            format!("request body larger than {} bytes", super::MAX_JSON_BODY),
+        );
+    };
     // The body is optional: an empty one means "just count this as activity".
     let req: space_api::KeepaliveRequest = if body.iter().all(u8::is_ascii_whitespace) {
         Default::default()

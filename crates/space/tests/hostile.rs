@@ -1,0 +1,1549 @@
+//! The hostile-workload suite: a sandbox that tries to hurt the host, its
+//! neighbours or the server, on every runtime. Each case asserts (a) that the
+//! hostile thing failed or was confined, by something observable (an exit
+//! status, an errno, a host file or setting that did not change, a limit hit),
+//! and (b) that the rest stayed healthy: the server answers `/healthz`, a
+//! neighbour sandbox (created first, in the same server) still runs `echo ok`,
+//! and the victim either still works or failed cleanly with a reason. Every
+//! sandbox ends with a destroy that checks nothing of it is left.
+//!
+//! Like `conformance.rs`, each group runs once per runtime (`…::gvisor::…`,
+//! `…::microvm::…`); an unavailable runtime is skipped with a printed reason
+//! unless `SPACE_TEST_REQUIRE_RUNTIMES` names it. Syscall-level probes come from
+//! `hostile/probe.c`, built static on the host and uploaded into the sandbox.
+//! Each passing case prints `hostile: <case> passed on <runtime>`.
+//! What each case shows, and where the runtimes differ, is in docs/SECURITY.md.
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::os::unix::fs::MetadataExt;
+use std::path::PathBuf;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use common::TestServer;
+use futures::{SinkExt, StreamExt};
+use serde_json::{json, Value};
+use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+use tokio_tungstenite::tungstenite::Message;
+
+/// Where a sandbox's probe binary lives.
+const PROBE: &str = "/tmp/probe";
+/// A generous answer deadline for health checks (a TCG microVM under load is slow).
+const HEALTH_DEADLINE: Duration = Duration::from_secs(180);
+
+/// The probe, built once per test binary.
+fn probe_binary() -> &'static [u8] {
+    static BIN: OnceLock<Vec<u8>> = OnceLock::new();
+    BIN.get_or_init(|| {
+        let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/hostile/probe.c");
+        let dir = tempfile::tempdir().expect("tempdir");
+        let out = dir.path().join("probe");
+        let st = std::process::Command::new("gcc")
+            .args(["-static", "-O1", "-pthread", "-o"])
+            .arg(&out)
+            .arg(&src)
+            .status()
+            .expect("gcc (the hostile suite builds its probe with gcc -static)");
+        assert!(st.success(), "building {}", src.display());
+        std::fs::read(&out).expect("probe binary")
+    })
+}
+
+/// Random hex, for markers nobody could guess.
+fn random_hex() -> String {
+    let mut b = [0u8; 12];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut b))
+        .expect("urandom");
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+struct Hostile {
+    s: TestServer,
+    rt: &'static str,
+    neighbour: String,
+    /// A secret in the server's environment and in a host file.
+    marker: String,
+    host_file: PathBuf,
+}
+
+impl Drop for Hostile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.host_file);
+    }
+}
+
+/// The server (with a marker in its environment) and a neighbour sandbox, or
+/// `None` when `rt` is unavailable here.
+async fn setup(rt: &'static str, extra: &[&str]) -> Option<Hostile> {
+    let mut s = TestServer::start_with(extra).await;
+    let (st, v) = s.get("/v1/runtimes").await;
+    assert_eq!(st, 200, "{v}");
+    let entry = v["runtimes"]
+        .as_array()
+        .and_then(|a| a.iter().find(|r| r["name"] == rt).cloned())
+        .unwrap_or_else(|| panic!("no runtime {rt} in {v}"));
+    if entry["available"] != true {
+        let required = std::env::var("SPACE_TEST_REQUIRE_RUNTIMES").unwrap_or_default();
+        assert!(
+            !required.split(',').any(|r| r == rt),
+            "runtime {rt} is required but unavailable: {entry}"
+        );
+        eprintln!(
+            "skipping: runtime {rt} is unavailable here: {}",
+            entry["reason"]
+        );
+        return None;
+    }
+    let marker = format!("spacehostile{}", random_hex());
+    s.env = vec![("SPACE_HOSTILE_SECRET".into(), marker.clone())];
+    s.kill_and_restart();
+    let host_file = PathBuf::from(format!("/tmp/{marker}"));
+    std::fs::write(&host_file, &marker).expect("host marker file");
+    let mut h = Hostile {
+        s,
+        rt,
+        neighbour: String::new(),
+        marker,
+        host_file,
+    };
+    h.neighbour = h.create(json!({})).await;
+    Some(h)
+}
+
+impl Hostile {
+    async fn create(&self, mut body: Value) -> String {
+        body["runtime"] = json!(self.rt);
+        body["template"] = json!("busybox");
+        let sb = self.s.create_with(body).await;
+        let (_, v) = self.s.get(&format!("/v1/sandboxes/{sb}")).await;
+        assert_eq!(v["runtime"], self.rt, "{v}");
+        sb
+    }
+
+    /// A sandbox with the probe uploaded.
+    async fn victim(&self, body: Value) -> String {
+        let sb = self.create(body).await;
+        self.upload(&sb, PROBE, probe_binary().to_vec(), "0755")
+            .await;
+        sb
+    }
+
+    async fn upload(&self, sb: &str, path: &str, data: Vec<u8>, mode: &str) {
+        let resp = self
+            .s
+            .req(
+                reqwest::Method::PUT,
+                &format!("/v1/sandboxes/{sb}/files?path={path}&mode={mode}"),
+            )
+            .body(data)
+            .send()
+            .await
+            .expect("upload");
+        assert_eq!(resp.status(), 201, "upload {path}");
+    }
+
+    /// Runs a command (wait:true); the status and the command.
+    async fn try_cmd(&self, sb: &str, body: Value) -> (u16, Value) {
+        self.s
+            .post(&format!("/v1/sandboxes/{sb}/commands"), body)
+            .await
+    }
+
+    async fn sh(&self, sb: &str, script: &str) -> Value {
+        self.s.sh(sb, script).await
+    }
+
+    /// stdout of a shell script, which must exit 0.
+    async fn sh_ok(&self, sb: &str, script: &str) -> String {
+        let out = self.s.sh(sb, script).await;
+        assert_eq!(out["result"]["exit_code"], 0, "{script}: {out}");
+        out["stdout"].as_str().unwrap_or_default().to_string()
+    }
+
+    /// The probe's report line for one case.
+    async fn probe(&self, sb: &str, args: &[&str]) -> String {
+        let mut argv = vec![PROBE];
+        argv.extend_from_slice(args);
+        let out = self.s.run(sb, &argv).await;
+        let text = format!(
+            "{}{}",
+            out["stdout"].as_str().unwrap_or_default(),
+            out["stderr"].as_str().unwrap_or_default()
+        );
+        eprintln!("[{}] probe {args:?}: {}", self.rt, text.trim());
+        text
+    }
+
+    /// The server answers, the neighbour runs `echo ok`, and the victim (if any)
+    /// either still works (`true`) or has failed with a reason (`false`).
+    async fn healthy(&self, case: &str, victim: Option<&str>) -> bool {
+        let (st, v) = self.s.get("/healthz").await;
+        assert_eq!(st, 200, "{case}: /healthz: {v}");
+        let echo = |sb: String| async move {
+            tokio::time::timeout(
+                HEALTH_DEADLINE,
+                self.try_cmd(&sb, json!({"argv": ["echo", "ok"], "wait": true})),
+            )
+            .await
+        };
+        let n = echo(self.neighbour.clone()).await;
+        let Ok((201, out)) = n else {
+            panic!("{case}: the neighbour did not answer: {n:?}")
+        };
+        assert_eq!(out["stdout"], "ok\n", "{case}: neighbour: {out}");
+        let mut alive = true;
+        if let Some(sb) = victim {
+            match echo(sb.to_string()).await {
+                Ok((201, out)) if out["stdout"] == "ok\n" => {}
+                other => {
+                    let (_, v) = self.s.get(&format!("/v1/sandboxes/{sb}")).await;
+                    assert_eq!(
+                        v["state"], "failed",
+                        "{case}: the victim neither works nor failed: {other:?}; {v}"
+                    );
+                    let reason = v["failure_reason"]
+                        .as_str()
+                        .or(v["reason"].as_str())
+                        .or(v["error"]["message"].as_str())
+                        .unwrap_or_default();
+                    assert!(!reason.is_empty(), "{case}: failed without a reason: {v}");
+                    eprintln!("[{}] {case}: the victim failed cleanly: {reason}", self.rt);
+                    alive = false;
+                }
+            }
+        }
+        eprintln!("hostile: {case} passed on {}", self.rt);
+        alive
+    }
+
+    /// `healthy`, then a fresh victim if the old one is gone.
+    async fn next_victim(&self, case: &str, sb: String, body: &Value) -> String {
+        if self.healthy(case, Some(&sb)).await {
+            sb
+        } else {
+            self.s.destroy(&sb).await;
+            self.victim(body.clone()).await
+        }
+    }
+
+    async fn finish(self, victims: &[&str]) {
+        for sb in victims {
+            self.s.destroy(sb).await;
+        }
+        self.s.destroy(&self.neighbour).await;
+    }
+
+    /// ids and states of every sandbox.
+    async fn snapshot(&self) -> BTreeSet<(String, String)> {
+        let (st, v) = self.s.get("/v1/sandboxes").await;
+        assert_eq!(st, 200, "{v}");
+        v["sandboxes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| {
+                (
+                    s["id"].as_str().unwrap().to_string(),
+                    s["state"].as_str().unwrap().to_string(),
+                )
+            })
+            .collect()
+    }
+
+    /// A raw request: status and body text. A hung request fails the test.
+    async fn raw(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<Vec<u8>>,
+        content_type: Option<&str>,
+    ) -> (u16, String) {
+        let mut rb = self
+            .s
+            .req(method.clone(), path)
+            .timeout(Duration::from_secs(60));
+        if let Some(ct) = content_type {
+            rb = rb.header("content-type", ct);
+        }
+        if let Some(b) = body {
+            rb = rb.body(b);
+        }
+        match rb.send().await {
+            Ok(resp) => {
+                let st = resp.status().as_u16();
+                let text = resp.text().await.unwrap_or_default();
+                (st, text)
+            }
+            // The server may answer 413 and close while a big body is still going out.
+            Err(e) if !e.is_timeout() => (0, format!("connection closed: {e}")),
+            Err(e) => panic!("{method} {path}: no answer: {e}"),
+        }
+    }
+
+    /// Asserts a clear 4xx (or, for an oversized body, a closed connection) with a JSON error.
+    async fn expect_4xx(
+        &self,
+        what: &str,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<Vec<u8>>,
+        want: &[u16],
+    ) {
+        let (st, text) = self.raw(method, path, body, Some("application/json")).await;
+        if st == 0 {
+            assert!(want.contains(&413), "{what}: {text}");
+            return;
+        }
+        assert!(
+            want.contains(&st),
+            "{what}: status {st}, wanted one of {want:?}: {}",
+            truncated(&text)
+        );
+        let v: Value = serde_json::from_str(&text)
+            .unwrap_or_else(|_| panic!("{what}: error body is not JSON: {}", truncated(&text)));
+        assert!(v["error"]["message"].is_string(), "{what}: {v}");
+    }
+}
+
+fn truncated(s: &str) -> String {
+    s.chars().take(300).collect()
+}
+
+fn vm_kib(pid: u32, field: &str) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    status
+        .lines()
+        .find(|l| l.starts_with(field))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|k| k.parse().ok())
+        .unwrap()
+}
+
+/// A command's final state (it must end within `limit`).
+async fn wait_cmd(h: &Hostile, sb: &str, cid: &str, limit: Duration) -> Value {
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        let (st, c) =
+            h.s.get(&format!("/v1/sandboxes/{sb}/commands/{cid}?wait=30s"))
+                .await;
+        assert_eq!(st, 200, "{c}");
+        if !c["result"].is_null() {
+            return c;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "command {cid} still runs: {c}"
+        );
+    }
+}
+
+async fn start_cmd(h: &Hostile, sb: &str, body: Value) -> String {
+    let (st, c) = h.try_cmd(sb, body).await;
+    assert_eq!(st, 201, "{c}");
+    c["id"].as_str().unwrap().to_string()
+}
+
+/// How many processes (other than the agent and this `ps`) the sandbox has.
+async fn process_count(h: &Hostile, sb: &str) -> usize {
+    let ps = h.sh_ok(sb, "ps -o pid,comm").await;
+    ps.lines()
+        .skip(1)
+        .filter(|l| !l.contains("space-agent") && !l.contains(" ps") && !l.contains(" sh"))
+        .count()
+}
+
+// ───────────────────────────── resource abuse ─────────────────────────────
+
+const RESOURCE_BOX: &str =
+    r#"{"resources": {"vcpus": 2, "memory_mib": 256, "disk_mib": 128, "pids": 256}}"#;
+
+async fn resource_abuse(rt: &'static str) {
+    let Some(h) = setup(rt, &["--output-cap-mib", "16"]).await else {
+        return;
+    };
+    let body: Value = serde_json::from_str(RESOURCE_BOX).unwrap();
+    let mut v = h.victim(body.clone()).await;
+
+    // Fork bomb: the pids limit stops it, the timeout ends it, nothing of it stays.
+    let out = h
+        .try_cmd(
+            &v,
+            json!({"shell": "b() { b | b & }; b; sleep 1000", "timeout_seconds": 15, "wait": true}),
+        )
+        .await;
+    assert_eq!(out.0, 201, "{out:?}");
+    assert_eq!(out.1["result"]["timed_out"], true, "fork bomb: {}", out.1);
+    v = h.next_victim("fork_bomb", v, &body).await;
+    assert!(process_count(&h, &v).await <= 2, "fork bomb leftovers");
+
+    // Threads bomb: pthread_create fails at the limit.
+    let text = h.probe(&v, &["threads", "100000"]).await;
+    assert!(
+        text.contains("threads: err"),
+        "threads bomb was not stopped: {text}"
+    );
+    let made: u64 = text
+        .split("made ")
+        .nth(1)
+        .and_then(|t| t.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(u64::MAX);
+    assert!(made <= 256, "{made} threads with pids=256: {text}");
+    v = h.next_victim("threads_bomb", v, &body).await;
+
+    // Memory bomb: the allocation fails or the process is killed; the sandbox stays.
+    let out = h
+        .try_cmd(
+            &v,
+            json!({"shell": "awk 'BEGIN { s = \"xxxxxxxxxxxxxxxx\"; while (1) s = s s }'", "timeout_seconds": 120, "wait": true}),
+        )
+        .await;
+    let r = &out.1["result"];
+    assert!(
+        r["oom_killed"] == true || r["signal"] == 9 || r["exit_code"].as_i64().unwrap_or(0) != 0,
+        "memory bomb: {}",
+        out.1
+    );
+    assert_ne!(
+        r["timed_out"], true,
+        "memory bomb ran to its timeout: {}",
+        out.1
+    );
+    v = h.next_victim("memory_bomb", v, &body).await;
+
+    // Disk fill: ENOSPC, then the space comes back.
+    let fill = h
+        .sh(
+            &v,
+            "dd if=/dev/zero of=/fill bs=1M count=1024 2>&1; echo rc=$?",
+        )
+        .await;
+    let text = fill["stdout"].as_str().unwrap();
+    assert!(text.contains("No space left"), "{fill}");
+    assert!(!text.contains("rc=0"), "{fill}");
+    h.sh_ok(&v, "rm /fill && echo small > /after && cat /after")
+        .await;
+    v = h.next_victim("disk_fill", v, &body).await;
+
+    // Inode exhaustion: empty files until the filesystem says no (ENOSPC), or until
+    // the sandbox's memory limit stops its kernel (gVisor keeps the overlay's inodes in
+    // the sentry's memory, so its cgroup OOM-kills the whole sandbox, which then
+    // reads `failed` with a reason). Either way the host and the neighbour are fine.
+    let text = h.probe(&v, &["files", "/manyfiles", "3000000"]).await;
+    if text.contains("files: err 28") || text.contains("files: err 12") {
+        let (st, c) = h
+            .try_cmd(
+                &v,
+                json!({"shell": "rm -rf /manyfiles", "timeout_seconds": 300, "wait": true}),
+            )
+            .await;
+        assert_eq!(st, 201, "{c}");
+        assert!(
+            h.healthy("inode_exhaustion", Some(&v)).await,
+            "the victim died after ENOSPC"
+        );
+    } else {
+        assert!(!text.contains("files: ok"), "3000000 files fit: {text}");
+        assert!(
+            !h.healthy("inode_exhaustion", Some(&v)).await,
+            "the file bomb ended without an error and the sandbox works: {text}"
+        );
+        eprintln!(
+            "FINDING [{rt}]: the inode bomb took the whole sandbox down (failed, with a reason)"
+        );
+        h.s.destroy(&v).await;
+        v = h.victim(body.clone()).await;
+    }
+
+    // Output flood: the stored output is capped and the server's memory stays bounded.
+    let pid = h.s.pid().unwrap();
+    let flood_mib = if rt == "microvm" { 256 } else { 1024 };
+    let cid = start_cmd(
+        &h,
+        &v,
+        json!({"shell": format!("head -c {flood_mib}M /dev/zero; echo END")}),
+    )
+    .await;
+    let c = wait_cmd(&h, &v, &cid, Duration::from_secs(900)).await;
+    assert_eq!(c["result"]["exit_code"], 0, "{c}");
+    assert_eq!(c["result"]["stdout_bytes"], (flood_mib << 20) + 4, "{c}");
+    assert_eq!(c["result"]["output_truncated"], true, "{c}");
+    let file =
+        h.s.data_dir()
+            .join("outputs")
+            .join(&v)
+            .join(&cid)
+            .join("stdout");
+    let on_disk = std::fs::metadata(&file).unwrap().blocks() * 512;
+    assert!(
+        on_disk <= 18 << 20,
+        "{on_disk} bytes on disk for a 16 MiB cap"
+    );
+    let hwm = vm_kib(pid, "VmHWM:");
+    eprintln!("[{rt}] server peak RSS after a {flood_mib} MiB flood: {hwm} KiB");
+    assert!(hwm < 500 * 1024, "server peak RSS {hwm} KiB");
+    v = h.next_victim("output_flood", v, &body).await;
+
+    // CPU spin on every vCPU: the neighbour still answers while it runs.
+    let spin = start_cmd(
+        &h,
+        &v,
+        json!({"shell": "for i in 1 2 3 4; do (while :; do :; done) & done; wait"}),
+    )
+    .await;
+    h.sh_ok(&v, "sleep 1").await;
+    h.healthy("cpu_spin (during)", Some(&v)).await;
+    let (st, r) =
+        h.s.post(
+            &format!("/v1/sandboxes/{v}/commands/{spin}/signal"),
+            json!({"signal": "KILL"}),
+        )
+        .await;
+    assert_eq!(st, 200, "{r}");
+    let c = wait_cmd(&h, &v, &spin, Duration::from_secs(60)).await;
+    assert_eq!(c["result"]["signal"], 9, "{c}");
+    v = h.next_victim("cpu_spin", v, &body).await;
+    assert_eq!(process_count(&h, &v).await, 0, "spinners left");
+
+    // Escape from a command timeout: double fork, setsid, ignored TERM/HUP, own process group.
+    let out = h
+        .try_cmd(
+            &v,
+            json!({
+                "shell": "trap '' TERM HUP; (setsid sh -c 'trap \"\" TERM HUP; sleep 1001' &); (sh -c 'sleep 1002 & ' &); setsid sleep 1003 & nohup sleep 1004 >/dev/null 2>&1 & sleep 1000",
+                "timeout_seconds": 2, "wait": true
+            }),
+        )
+        .await;
+    assert_eq!(out.1["result"]["timed_out"], true, "{}", out.1);
+    let left = h.sh(&v, "ps -o comm | grep -c '^sleep' || true").await;
+    assert_eq!(left["stdout"], "0\n", "escaped the timeout: {left}");
+    v = h.next_victim("timeout_escape", v, &body).await;
+
+    // A command that closes stdout and stderr and keeps running is still running,
+    // and a kill ends it (its heartbeat stops).
+    let cid = start_cmd(
+        &h,
+        &v,
+        json!({"argv": [PROBE, "close_stdout_and_run", "/tmp/beat"]}),
+    )
+    .await;
+    h.sh_ok(&v, "while [ ! -s /tmp/beat ]; do sleep 0.1; done; sleep 1")
+        .await;
+    let (_, c) = h.s.get(&format!("/v1/sandboxes/{v}/commands/{cid}")).await;
+    assert_eq!(c["state"], "running", "closed output is not an exit: {c}");
+    let (st, r) =
+        h.s.post(
+            &format!("/v1/sandboxes/{v}/commands/{cid}/signal"),
+            json!({"signal": "KILL"}),
+        )
+        .await;
+    assert_eq!(st, 200, "{r}");
+    let c = wait_cmd(&h, &v, &cid, Duration::from_secs(60)).await;
+    assert_eq!(c["result"]["signal"], 9, "{c}");
+    let beat = h
+        .sh_ok(
+            &v,
+            "a=$(cat /tmp/beat); sleep 1; b=$(cat /tmp/beat); [ \"$a\" = \"$b\" ] && echo stopped",
+        )
+        .await;
+    assert_eq!(beat, "stopped\n");
+    v = h.next_victim("closed_stdout", v, &body).await;
+
+    // Zombies: 200 unreaped children; once their parent exits, PID 1 reaps them.
+    let out = h.s.run(&v, &[PROBE, "zombies", "200", "1"]).await;
+    assert_eq!(out["result"]["exit_code"], 0, "{out}");
+    assert!(
+        out["stdout"].as_str().unwrap().contains("made 200"),
+        "{out}"
+    );
+    let z = h
+        .sh(&v, "sleep 0.5; ps -o stat | grep -c '^Z' || true")
+        .await;
+    assert_eq!(z["stdout"], "0\n", "zombies left: {z}");
+    v = h.next_victim("zombies", v, &body).await;
+
+    h.finish(&[&v]).await;
+}
+
+// ─────────────────────────────── host probes ───────────────────────────────
+
+/// Files and settings of the host that a sandbox must not change.
+fn host_settings() -> Vec<(String, String)> {
+    [
+        "/proc/sys/kernel/core_pattern",
+        "/proc/sys/kernel/sysrq",
+        "/proc/sys/kernel/hostname",
+        "/proc/sys/kernel/modprobe",
+        "/proc/sys/vm/overcommit_memory",
+        "/sys/kernel/uevent_helper",
+        "/proc/modules",
+    ]
+    .iter()
+    .map(|p| {
+        (
+            p.to_string(),
+            std::fs::read_to_string(p).unwrap_or_default(),
+        )
+    })
+    .collect()
+}
+
+/// The host's mount points.
+fn host_mounts() -> BTreeSet<String> {
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.split(' ').nth(4).map(str::to_string))
+        .collect()
+}
+
+async fn host_probes(rt: &'static str) {
+    let Some(h) = setup(rt, &[]).await else {
+        return;
+    };
+    let gvisor = rt == "gvisor";
+    let body = json!({});
+    let mut v = h.victim(body.clone()).await;
+    let settings = host_settings();
+
+    // Host files: a marker file on the host and the host's /etc/shadow are not visible.
+    let out = h.sh(&v, &format!("cat {}", h.host_file.display())).await;
+    assert_ne!(out["result"]["exit_code"], 0, "{out}");
+    let found = h
+        .sh(
+            &v,
+            &format!("for d in /*; do case $d in /proc|/sys|/dev) ;; *) grep -rl {} $d 2>/dev/null;; esac; done; true", h.marker),
+        )
+        .await;
+    assert_eq!(found["stdout"], "", "the host marker is inside: {found}");
+    let host_shadow = std::fs::read_to_string("/etc/shadow").unwrap_or_default();
+    let inside = h.sh(&v, "cat /etc/shadow 2>/dev/null").await;
+    assert!(
+        !host_shadow.is_empty() && inside["stdout"] != host_shadow.as_str(),
+        "the host's /etc/shadow is readable inside"
+    );
+    v = h.next_victim("host_files", v, &body).await;
+
+    // /proc/<pid>/root of every process leads to the sandbox's root, not the host's.
+    let out = h
+        .sh(
+            &v,
+            &format!("for p in /proc/[0-9]*; do cat $p/root{f} $p/root/../../..{f} $p/cwd/../../..{f} 2>/dev/null; done; ls /proc/self/root/", f = h.host_file.display()),
+        )
+        .await;
+    let text = out["stdout"].as_str().unwrap();
+    assert!(!text.contains(&h.marker), "{out}");
+    assert!(text.contains("bin"), "{out}");
+    v = h.next_victim("proc_root_traversal", v, &body).await;
+
+    // /proc and /sys: no host kernel memory, no host kernel settings.
+    let out = h
+        .sh(
+            &v,
+            "head -c 4096 /proc/kcore >/dev/null 2>&1 && echo kcore-readable; \
+             echo '|/tmp/evil %p' > /proc/sys/kernel/core_pattern 2>&1; \
+             echo 1 > /proc/sys/kernel/sysrq 2>&1; echo 3 > /proc/sys/vm/drop_caches 2>&1; \
+             echo 2 > /proc/sys/vm/overcommit_memory 2>&1; \
+             echo /tmp/evil > /sys/kernel/uevent_helper 2>&1; \
+             echo /tmp/evil > /proc/sys/kernel/modprobe 2>&1; \
+             ls /sys/kernel 2>&1 | head -5; true",
+        )
+        .await;
+    eprintln!("[{rt}] proc/sys writes: {}", out["stdout"]);
+    if gvisor {
+        let text = out["stdout"].as_str().unwrap();
+        assert!(!text.contains("kcore-readable"), "{out}");
+    }
+    assert_eq!(host_settings(), settings, "a host kernel setting changed");
+    v = h.next_victim("proc_sys_writes", v, &body).await;
+
+    // cgroups: whatever the sandbox writes, its host cgroup limits stay.
+    let host_cg: Vec<(PathBuf, String)> = std::fs::read_dir("/sys/fs/cgroup")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .flat_map(|c| {
+            let dir = c.path().join("space").join(&v);
+            std::fs::read_dir(&dir)
+                .into_iter()
+                .flatten()
+                .flatten()
+                .map(|f| f.path())
+                .filter(|p| {
+                    let n = p.file_name().unwrap().to_string_lossy().into_owned();
+                    n.ends_with("limit_in_bytes") || n == "pids.max" || n == "cpu.cfs_quota_us"
+                })
+                .collect::<Vec<_>>()
+        })
+        .map(|p| {
+            let s = std::fs::read_to_string(&p).unwrap_or_default();
+            (p, s)
+        })
+        .collect();
+    let out = h
+        .sh(
+            &v,
+            "for f in $(find /sys/fs/cgroup -name 'memory.limit_in_bytes' -o -name pids.max -o -name memory.max -o -name cgroup.procs 2>/dev/null); do echo -1 > $f 2>/dev/null && echo wrote $f; done; \
+             mkdir /sys/fs/cgroup/evil 2>&1; mount -t cgroup -o memory none /mnt 2>&1; echo 1 > /mnt/release_agent 2>&1; true",
+        )
+        .await;
+    eprintln!("[{rt}] cgroup writes: {}", out["stdout"]);
+    for (p, before) in &host_cg {
+        assert_eq!(
+            &std::fs::read_to_string(p).unwrap_or_default(),
+            before,
+            "{}",
+            p.display()
+        );
+    }
+    v = h.next_victim("cgroup_writes", v, &body).await;
+
+    // mount, umount, unshare, chroot: nothing reaches the host's mount table or files.
+    let mounts = host_mounts();
+    let mut lines = Vec::new();
+    for args in [
+        vec!["mount_tmpfs", "/mnt"],
+        vec!["unshare_user"],
+        vec!["unshare_mnt_net"],
+        vec!["chroot_escape", h.host_file.to_str().unwrap()],
+    ] {
+        lines.push(h.probe(&v, &args).await);
+    }
+    let escape = lines.last().unwrap();
+    assert!(
+        escape.contains("chroot_escape: err 2 ") || escape.contains("chroot: err"),
+        "chroot escape opened the host file: {escape}"
+    );
+    let out = h.sh(&v, "umount -l / 2>&1; umount /.space/run 2>&1; mount -t proc proc /mnt 2>&1; cat /mnt/1/cmdline 2>&1 | tr '\\0' ' '; true").await;
+    assert!(
+        !out["stdout"].as_str().unwrap().contains("space serve"),
+        "{out}"
+    );
+    let new: Vec<_> = host_mounts().difference(&mounts).cloned().collect();
+    assert!(
+        !new.iter().any(|m| m == "/mnt" || m == "/"),
+        "a mount reached the host: {new:?}"
+    );
+    v = h.next_victim("mount_unshare_chroot", v, &body).await;
+
+    // ptrace of PID 1 (the agent): refused, or confined to the sandbox's own agent,
+    // which keeps working after the detach.
+    let text = h.probe(&v, &["ptrace1"]).await;
+    assert!(text.contains("ptrace1:"), "{text}");
+    v = h.next_victim("ptrace_agent", v, &body).await;
+    h.sh_ok(&v, "echo after ptrace").await;
+
+    // Raw and packet sockets: refused under gVisor; in a microVM they see only `lo`.
+    let raw = h.probe(&v, &["raw_inet"]).await;
+    let packet = h.probe(&v, &["packet"]).await;
+    if gvisor {
+        assert!(raw.contains("raw_inet: err"), "{raw}");
+        assert!(packet.contains("packet: err"), "{packet}");
+    }
+    let devs = h
+        .sh_ok(&v, "tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d ' '")
+        .await;
+    assert_eq!(devs, "lo\n");
+    v = h.next_victim("raw_packet_sockets", v, &body).await;
+
+    // Network `none`: host loopback services, the API port, the host's address and
+    // the metadata IP are unreachable.
+    let local = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let any = std::net::TcpListener::bind("0.0.0.0:0").unwrap();
+    local.set_nonblocking(true).unwrap();
+    any.set_nonblocking(true).unwrap();
+    let lport = local.local_addr().unwrap().port().to_string();
+    let aport = any.local_addr().unwrap().port().to_string();
+    let api_port =
+        h.s.url
+            .rsplit(':')
+            .next()
+            .unwrap()
+            .trim_end_matches('/')
+            .to_string();
+    let host_ip = std::process::Command::new("hostname")
+        .arg("-I")
+        .output()
+        .ok()
+        .and_then(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .split_whitespace()
+                .next()
+                .map(str::to_string)
+        })
+        .unwrap_or_else(|| "10.0.2.2".into());
+    for (ip, port) in [
+        ("127.0.0.1", lport.as_str()),
+        ("127.0.0.1", api_port.as_str()),
+        (host_ip.as_str(), aport.as_str()),
+        (host_ip.as_str(), api_port.as_str()),
+        ("10.0.2.2", aport.as_str()),
+        ("169.254.169.254", "80"),
+    ] {
+        let text = h.probe(&v, &["connect", ip, port]).await;
+        assert!(
+            text.contains("connect: err"),
+            "{ip}:{port} reachable: {text}"
+        );
+    }
+    let wget = h
+        .sh(
+            &v,
+            &format!("wget -q -T 3 -O - http://127.0.0.1:{api_port}/healthz 2>&1; echo rc=$?"),
+        )
+        .await;
+    assert!(
+        !wget["stdout"].as_str().unwrap().contains("\"ok\""),
+        "{wget}"
+    );
+    assert!(
+        local.accept().is_err() && any.accept().is_err(),
+        "a connection reached the host"
+    );
+    v = h.next_victim("host_network", v, &body).await;
+
+    // Signals to host processes: a host `sleep` and the server survive kill -9 of their pids.
+    let mut host_sleep = std::process::Command::new("sleep")
+        .arg("600")
+        .spawn()
+        .unwrap();
+    let spid = host_sleep.id().to_string();
+    let server_pid = h.s.pid().unwrap().to_string();
+    h.probe(&v, &["kill", &spid]).await;
+    h.probe(&v, &["kill", &server_pid]).await;
+    h.sh(&v, &format!("kill -9 {spid} {server_pid} -1 2>&1; true"))
+        .await;
+    assert!(
+        host_sleep.try_wait().unwrap().is_none(),
+        "the host process died"
+    );
+    host_sleep.kill().unwrap();
+    host_sleep.wait().unwrap();
+    v = h.next_victim("kill_host_pids", v, &body).await;
+
+    // Kernel modules: a (junk) module is refused; the host's module list is unchanged.
+    let text = h.probe(&v, &["init_module"]).await;
+    assert!(text.contains("init_module: err"), "{text}");
+    v = h.next_victim("kernel_module", v, &body).await;
+
+    // Device nodes: /dev/mem made by hand is refused under gVisor (in a microVM it is
+    // the guest's own memory).
+    let text = h.probe(&v, &["mknod", "/tmp/mem", "1", "1"]).await;
+    if gvisor {
+        assert!(!text.contains("mknod: ok"), "{text}");
+    }
+    let text = h.probe(&v, &["open_by_handle"]).await;
+    if gvisor {
+        assert!(text.contains("open_by_handle: err"), "{text}");
+    }
+    v = h.next_victim("mknod_and_handles", v, &body).await;
+
+    // keyctl, bpf, perf_event_open: a key never reaches the host's keyrings; gVisor
+    // refuses bpf and system-wide perf.
+    let key = h.probe(&v, &["keyctl", &h.marker]).await;
+    let bpf = h.probe(&v, &["bpf"]).await;
+    let perf = h.probe(&v, &["perf"]).await;
+    let keys = std::fs::read_to_string("/proc/keys").unwrap_or_default();
+    assert!(!keys.contains(&h.marker), "the key is on the host: {key}");
+    if gvisor {
+        assert!(bpf.contains("bpf: err"), "{bpf}");
+        assert!(perf.contains("perf: err"), "{perf}");
+    }
+    v = h.next_victim("keyctl_bpf_perf", v, &body).await;
+
+    // Hostname and clock: the host's stay.
+    let host_name = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap();
+    let name = format!("evil{}", &h.marker[12..20]);
+    h.probe(&v, &["sethostname", &name]).await;
+    let t = h.probe(&v, &["settime"]).await;
+    if gvisor {
+        assert!(t.contains("settime: err"), "{t}");
+    }
+    assert_eq!(
+        std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap(),
+        host_name
+    );
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    assert!(now > 1_700_000_000, "the host clock moved: {now}");
+    v = h.next_victim("hostname_and_clock", v, &body).await;
+
+    // The agent's token is nowhere a command can read it.
+    let store = space_store::Store::open(&h.s.data_dir().join("space.db")).unwrap();
+    let token = store.get_sandbox(&v).unwrap().unwrap().agent_token;
+    let out = h
+        .sh(
+            &v,
+            "cat /proc/1/environ /proc/1/cmdline /proc/cmdline /proc/*/environ 2>/dev/null; \
+             ls -la /.space/run 2>&1; cat /.space/run/* 2>/dev/null; \
+             cat /proc/1/task/*/environ 2>/dev/null; true",
+        )
+        .await;
+    let text = out["stdout"].as_str().unwrap();
+    if text.contains(&token) {
+        let wheres = h
+            .sh(&v, &format!("grep -l {token} /proc/cmdline /proc/1/environ /proc/1/cmdline /.space/run/* 2>/dev/null; true"))
+            .await;
+        panic!(
+            "[{rt}] the agent token is readable inside the sandbox, in: {}",
+            wheres["stdout"]
+        );
+    }
+    v = h.next_victim("agent_token", v, &body).await;
+
+    // The server's environment (a marker variable) is nowhere inside.
+    let out = h
+        .sh(
+            &v,
+            "env; cat /proc/*/environ 2>/dev/null | tr '\\0' '\\n'; true",
+        )
+        .await;
+    assert!(
+        !out["stdout"].as_str().unwrap().contains(&h.marker),
+        "{out}"
+    );
+    assert!(!out["stdout"]
+        .as_str()
+        .unwrap()
+        .contains("SPACE_HOSTILE_SECRET"));
+    v = h.next_victim("server_env", v, &body).await;
+
+    assert_eq!(host_settings(), settings, "a host kernel setting changed");
+    h.finish(&[&v]).await;
+}
+
+// ─────────────────────────────── API abuse ───────────────────────────────
+
+/// A tar with a symlink entry and then a file written through it.
+fn tar_through_symlink(link: &str, target: &str) -> Vec<u8> {
+    let mut b = tar::Builder::new(Vec::new());
+    let mut hd = tar::Header::new_gnu();
+    hd.set_entry_type(tar::EntryType::Symlink);
+    hd.set_size(0);
+    hd.set_mode(0o777);
+    b.append_link(&mut hd, link, target).unwrap();
+    let data = b"pwned";
+    let mut hd = tar::Header::new_gnu();
+    hd.set_size(data.len() as u64);
+    hd.set_mode(0o644);
+    hd.set_entry_type(tar::EntryType::Regular);
+    b.append_data(&mut hd, format!("{link}/pwn"), &data[..])
+        .unwrap();
+    let mut hd = tar::Header::new_gnu();
+    hd.set_entry_type(tar::EntryType::Link);
+    hd.set_size(0);
+    b.append_link(&mut hd, "hard", "/proc/1/environ").unwrap();
+    b.into_inner().unwrap()
+}
+
+async fn api_abuse(rt: &'static str) {
+    let Some(h) = setup(rt, &[]).await else {
+        return;
+    };
+    let v = h.victim(json!({})).await;
+    let files = format!("/v1/sandboxes/{v}/files");
+    let cmds = format!("/v1/sandboxes/{v}/commands");
+    let before = h.snapshot().await;
+    let get = reqwest::Method::GET;
+    let post = reqwest::Method::POST;
+    let put = reqwest::Method::PUT;
+
+    // Symlinks to the host-looking places and /proc, used through every file call.
+    h.sh_ok(
+        &v,
+        &format!(
+            "ln -s /proc/1/root /tmp/r1; ln -s /proc/self/cwd /tmp/r2; ln -s {} /tmp/hostfile; ln -s /.space /tmp/dotspace; mkdir -p /tmp/d",
+            h.host_file.display()
+        ),
+    )
+    .await;
+    for p in [
+        "/tmp/r1/.space/run/agent.sock",
+        "/tmp/r2/proc/1/environ",
+        "/tmp/dotspace/run/x",
+    ] {
+        let (st, t) = h
+            .raw(get.clone(), &format!("{files}?path={p}"), None, None)
+            .await;
+        assert!((400..500).contains(&st), "{p}: {st} {t}");
+    }
+    let (st, t) = h
+        .raw(
+            get.clone(),
+            &format!("{files}?path=/tmp/hostfile"),
+            None,
+            None,
+        )
+        .await;
+    assert_eq!(st, 404, "an absolute symlink to a host path: {t}");
+    assert!(!t.contains(&h.marker));
+    for (from, to) in [
+        ("/tmp/d", "/tmp/dotspace/run/d"),
+        ("/tmp/dotspace/run/agent.sock", "/tmp/stolen"),
+    ] {
+        let (st, t) = h
+            .raw(
+                post.clone(),
+                &format!("{files}/move"),
+                Some(json!({"from": from, "to": to}).to_string().into_bytes()),
+                Some("application/json"),
+            )
+            .await;
+        assert!((400..500).contains(&st), "move {from} {to}: {st} {t}");
+    }
+    let (st, t) = h
+        .raw(
+            post.clone(),
+            &format!("{files}/mkdir"),
+            Some(
+                json!({"path": "/tmp/r1/proc/sys/evil"})
+                    .to_string()
+                    .into_bytes(),
+            ),
+            Some("application/json"),
+        )
+        .await;
+    assert!((400..500).contains(&st), "mkdir through /proc: {st} {t}");
+    h.healthy("file_api_symlinks", Some(&v)).await;
+
+    // Tar: a symlink entry and a file through it; a hard link to /proc/1/environ.
+    for (link, target) in [
+        ("l1", "/.space/run"),
+        ("l2", "/proc/1/root/.space/run"),
+        ("l3", "/proc/sys/kernel"),
+    ] {
+        let (st, t) = h
+            .raw(
+                put.clone(),
+                &format!("{files}?path=/tmp/x{link}&format=tar"),
+                Some(tar_through_symlink(link, target)),
+                None,
+            )
+            .await;
+        assert!((400..500).contains(&st), "tar via {target}: {st} {t}");
+    }
+    let out = h
+        .sh(&v, "ls /.space/run; cat /proc/sys/kernel/hostname")
+        .await;
+    assert!(!out["stdout"].as_str().unwrap().contains("pwn"), "{out}");
+    let run_dir = h.s.data_dir().join("sandboxes").join(&v).join("run");
+    assert!(
+        !run_dir.join("pwn").exists(),
+        "a tar entry reached the host run dir"
+    );
+    h.healthy("tar_symlink_then_write", Some(&v)).await;
+
+    // Oversized JSON bodies: 413, at every JSON endpoint.
+    let big = |mib: usize| {
+        let mut b = br#"{"name":"x","template":"busybox","labels":{"a":""#.to_vec();
+        b.extend(std::iter::repeat_n(b'x', mib << 20));
+        b.extend(br#""}}"#);
+        b
+    };
+    // Recipes may carry files inline, so their limit is 32 MiB.
+    for (m, p, mib) in [
+        (post.clone(), "/v1/sandboxes".to_string(), 2),
+        (post.clone(), cmds.clone(), 2),
+        (post.clone(), "/v1/templates".to_string(), 40),
+        (post.clone(), format!("{files}/mkdir"), 2),
+        (post.clone(), format!("{files}/move"), 2),
+        (post.clone(), format!("/v1/sandboxes/{v}/keepalive"), 2),
+        (post.clone(), format!("{cmds}/cmd_x/signal"), 2),
+    ] {
+        h.expect_4xx(&format!("oversized {p}"), m, &p, Some(big(mib)), &[413])
+            .await;
+    }
+    assert_eq!(h.snapshot().await, before);
+    h.healthy("oversized_json", Some(&v)).await;
+
+    // Deeply nested JSON: refused, no stack overflow.
+    let deep = format!("{}{}", "[".repeat(200_000), "]".repeat(200_000)).into_bytes();
+    let deep_obj = {
+        let mut s = String::from(r#"{"template":"busybox","labels":"#);
+        s.push_str(&r#"{"a":"#.repeat(100_000));
+        s.push('1');
+        s.push_str(&"}".repeat(100_001));
+        s.into_bytes()
+    };
+    for p in [
+        "/v1/sandboxes".to_string(),
+        cmds.clone(),
+        "/v1/templates".into(),
+        format!("{files}/move"),
+    ] {
+        h.expect_4xx(
+            &format!("deep {p}"),
+            post.clone(),
+            &p,
+            Some(deep.clone()),
+            &[400, 413, 422],
+        )
+        .await;
+        h.expect_4xx(
+            &format!("deep object {p}"),
+            post.clone(),
+            &p,
+            Some(deep_obj.clone()),
+            &[400, 413, 422],
+        )
+        .await;
+    }
+    assert_eq!(h.snapshot().await, before);
+    h.healthy("deeply_nested_json", Some(&v)).await;
+
+    // Huge strings: argv, env, labels, paths, ids, signal names.
+    let long = "y".repeat(300_000);
+    let many_args: Vec<String> = (0..5000).map(|i| i.to_string()).collect();
+    let many_env: serde_json::Map<String, Value> =
+        (0..2000).map(|i| (format!("V{i}"), json!("x"))).collect();
+    let many_labels: serde_json::Map<String, Value> =
+        (0..5000).map(|i| (format!("l{i}"), json!("x"))).collect();
+    for (what, b) in [
+        ("argv element", json!({"argv": ["echo", long]})),
+        ("argv count", json!({"argv": many_args})),
+        ("env value", json!({"argv": ["true"], "env": {"A": long}})),
+        ("env count", json!({"argv": ["true"], "env": many_env})),
+        ("cwd", json!({"argv": ["true"], "cwd": long})),
+        ("user", json!({"argv": ["true"], "user": long})),
+        ("argv NUL", json!({"argv": ["echo", "a\u{0}b"]})),
+    ] {
+        h.expect_4xx(
+            what,
+            post.clone(),
+            &cmds,
+            Some(b.to_string().into_bytes()),
+            &[400, 413, 422],
+        )
+        .await;
+    }
+    for (what, b) in [
+        (
+            "label value",
+            json!({"template": "busybox", "labels": {"a": long}}),
+        ),
+        (
+            "label count",
+            json!({"template": "busybox", "labels": many_labels}),
+        ),
+        (
+            "label key",
+            json!({"template": "busybox", "labels": {long.clone(): "x"}}),
+        ),
+        ("template name", json!({"template": long})),
+        (
+            "runtime name",
+            json!({"template": "busybox", "runtime": long}),
+        ),
+        (
+            "sandbox env",
+            json!({"template": "busybox", "env": {"A": long}}),
+        ),
+    ] {
+        h.expect_4xx(
+            what,
+            post.clone(),
+            "/v1/sandboxes",
+            Some(b.to_string().into_bytes()),
+            &[400, 404, 413, 422],
+        )
+        .await;
+    }
+    let long_path = format!("/{}", "a/".repeat(3000));
+    let long_id = "sb_".to_string() + &"z".repeat(20_000);
+    for (what, p) in [
+        ("path", format!("{files}?path={long_path}")),
+        (
+            "path component",
+            format!("{files}/stat?path=/{}", "c".repeat(300)),
+        ),
+        ("sandbox id", format!("/v1/sandboxes/{long_id}")),
+        ("command id", format!("{cmds}/cmd_{}", "q".repeat(20_000))),
+        (
+            "operation id",
+            format!("/v1/operations/op_{}", "q".repeat(20_000)),
+        ),
+        (
+            "label filter",
+            format!("/v1/sandboxes?label={}", "k".repeat(20_000)),
+        ),
+    ] {
+        h.expect_4xx(what, get.clone(), &p, None, &[400, 404, 414, 431])
+            .await;
+    }
+    let sig_cmd = start_cmd(&h, &v, json!({"argv": ["sleep", "1000"]})).await;
+    for sig in [
+        json!(long),
+        json!(-1),
+        json!(65),
+        json!(u64::MAX),
+        json!("SIGNOPE"),
+        json!([1]),
+    ] {
+        h.expect_4xx(
+            "signal",
+            post.clone(),
+            &format!("{cmds}/{sig_cmd}/signal"),
+            Some(json!({"signal": sig}).to_string().into_bytes()),
+            &[400, 422],
+        )
+        .await;
+    }
+    assert_eq!(h.snapshot().await, before);
+    h.healthy("huge_strings", Some(&v)).await;
+
+    // Invalid UTF-8 in bodies, query strings and ids.
+    let mut bad = br#"{"argv":["echo",""#.to_vec();
+    bad.extend([0xff, 0xfe, 0xc3]);
+    bad.extend(br#""]}"#);
+    h.expect_4xx(
+        "utf8 argv",
+        post.clone(),
+        &cmds,
+        Some(bad.clone()),
+        &[400, 422],
+    )
+    .await;
+    h.expect_4xx(
+        "lone surrogate",
+        post.clone(),
+        &cmds,
+        Some(br#"{"argv":["echo","\ud800"]}"#.to_vec()),
+        &[400, 422],
+    )
+    .await;
+    h.expect_4xx(
+        "utf8 create",
+        post.clone(),
+        "/v1/sandboxes",
+        Some(bad),
+        &[400, 422],
+    )
+    .await;
+    for p in [
+        format!("{files}?path=/tmp/%FF%FE"),
+        format!("{files}/stat?path=/tmp/%C3"),
+    ] {
+        h.expect_4xx(&format!("utf8 {p}"), get.clone(), &p, None, &[400, 404])
+            .await;
+    }
+    // A label filter decodes lossily: it matches nothing.
+    let (st, text) = h
+        .raw(get.clone(), "/v1/sandboxes?label=%FF=%FE", None, None)
+        .await;
+    assert!(
+        st == 400 || (st == 200 && text.contains(r#""sandboxes":[]"#)),
+        "{st} {text}"
+    );
+    // Invalid UTF-8 in a path segment is refused by axum's `Path` extractor before
+    // our handlers run: a 400, but plain text rather than our JSON error (a finding).
+    for p in [
+        format!("/v1/sandboxes/sb_%FF%FE"),
+        format!("{cmds}/cmd_%FF"),
+    ] {
+        let (st, text) = h.raw(get.clone(), &p, None, None).await;
+        assert_eq!(st, 400, "utf8 {p}: {text}");
+        if serde_json::from_str::<Value>(&text).is_err() {
+            eprintln!("FINDING [{rt}]: GET {p}: 400 with a plain-text body: {text}");
+        }
+    }
+    h.expect_4xx(
+        "not json",
+        post.clone(),
+        &cmds,
+        Some(b"\x00\x01garbage".to_vec()),
+        &[400, 415, 422],
+    )
+    .await;
+    assert_eq!(h.snapshot().await, before);
+    h.healthy("invalid_utf8", Some(&v)).await;
+
+    // Absurd numbers: resources, TTLs, timeouts, pty sizes, modes and owners.
+    for (what, b) in [
+        (
+            "vcpus",
+            json!({"template": "busybox", "resources": {"vcpus": u32::MAX}}),
+        ),
+        (
+            "memory",
+            json!({"template": "busybox", "resources": {"memory_mib": u64::MAX}}),
+        ),
+        (
+            "disk",
+            json!({"template": "busybox", "resources": {"disk_mib": u64::MAX}}),
+        ),
+        (
+            "pids",
+            json!({"template": "busybox", "resources": {"pids": u64::MAX}}),
+        ),
+        (
+            "zero memory",
+            json!({"template": "busybox", "resources": {"memory_mib": 0}}),
+        ),
+        (
+            "negative vcpus",
+            json!({"template": "busybox", "resources": {"vcpus": -1}}),
+        ),
+        (
+            "float vcpus",
+            json!({"template": "busybox", "resources": {"vcpus": 1.5}}),
+        ),
+        (
+            "huge vcpus",
+            json!({"template": "busybox", "resources": {"vcpus": 1e30}}),
+        ),
+        (
+            "ttl",
+            json!({"template": "busybox", "ttl_seconds": u64::MAX}),
+        ),
+        (
+            "idle",
+            json!({"template": "busybox", "idle_timeout_seconds": u64::MAX}),
+        ),
+    ] {
+        h.expect_4xx(
+            what,
+            post.clone(),
+            "/v1/sandboxes",
+            Some(b.to_string().into_bytes()),
+            &[400, 422],
+        )
+        .await;
+    }
+    for (what, b) in [
+        (
+            "timeout",
+            json!({"argv": ["true"], "timeout_seconds": u64::MAX}),
+        ),
+        (
+            "timeout float",
+            json!({"argv": ["true"], "timeout_seconds": 1e20}),
+        ),
+        (
+            "timeout negative",
+            json!({"argv": ["true"], "timeout_seconds": -1}),
+        ),
+        (
+            "pty",
+            json!({"argv": ["true"], "pty": {"rows": 65535, "cols": 65535}}),
+        ),
+        (
+            "pty overflow",
+            json!({"argv": ["true"], "pty": {"rows": 70000, "cols": 1}}),
+        ),
+    ] {
+        h.expect_4xx(
+            what,
+            post.clone(),
+            &cmds,
+            Some(b.to_string().into_bytes()),
+            &[400, 422],
+        )
+        .await;
+    }
+    for (what, b) in [
+        ("mkdir mode", json!({"path": "/tmp/m", "mode": u64::MAX})),
+        ("mkdir uid", json!({"path": "/tmp/m", "uid": -1})),
+    ] {
+        h.expect_4xx(
+            what,
+            post.clone(),
+            &format!("{files}/mkdir"),
+            Some(b.to_string().into_bytes()),
+            &[400, 422],
+        )
+        .await;
+    }
+    h.expect_4xx(
+        "ttl keepalive",
+        post.clone(),
+        &format!("/v1/sandboxes/{v}/keepalive"),
+        Some(json!({"ttl_seconds": u64::MAX}).to_string().into_bytes()),
+        &[400, 422],
+    )
+    .await;
+    assert_eq!(h.snapshot().await, before);
+    h.healthy("absurd_numbers", Some(&v)).await;
+
+    // Negative and overflowing query values.
+    let (st, c) = h
+        .try_cmd(&v, json!({"argv": ["echo", "hi"], "wait": true}))
+        .await;
+    assert_eq!(st, 201, "{c}");
+    let done = c["id"].as_str().unwrap().to_string();
+    for q in [
+        format!("{cmds}/{done}/output?offset=-1"),
+        format!("{cmds}/{done}/output?offset=18446744073709551616"),
+        format!("{cmds}/{done}/output?offset=1e3"),
+        format!("{cmds}/{done}/output?follow=maybe"),
+        format!("{cmds}/{done}/output?stream=all"),
+        format!("{cmds}/{done}?wait=-5s"),
+        format!("{cmds}/{done}?wait=99999999999999999999999s"),
+        format!("{cmds}/{done}?wait=1x"),
+        format!("{files}/list?path=/tmp&depth=-1"),
+        format!("{files}/list?path=/tmp&depth=4294967296"),
+        format!("{files}/list?path=/tmp&depth=0"),
+        format!("{files}?path=/tmp/q&uid=-1"),
+        "/v1/operations?limit=-1".to_string(),
+        format!("/v1/events?after=-99999999999999999999999"),
+        format!("{cmds}/{done}/output?offset=1&offset=2"),
+        format!("{files}?path=/tmp&unknown=1"),
+    ] {
+        h.expect_4xx(&q, get.clone(), &q, None, &[400]).await;
+    }
+    // An offset past the end is not an error, just nothing.
+    let (st, text) = h
+        .raw(
+            get.clone(),
+            &format!("{cmds}/{done}/output?offset={}", u64::MAX),
+            None,
+            None,
+        )
+        .await;
+    assert!(st == 200 || st == 400 || st == 416, "{st} {text}");
+    assert!(!text.contains("\"data\""), "{text}");
+    assert_eq!(h.snapshot().await, before);
+    h.healthy("negative_and_overflowing_queries", Some(&v))
+        .await;
+
+    // WebSocket garbage: bad controls, input to a non-interactive command, an
+    // oversized message, and a plain GET without the upgrade.
+    let (st, text) = h
+        .raw(get.clone(), &format!("{cmds}/{sig_cmd}/attach"), None, None)
+        .await;
+    assert!(
+        (400..500).contains(&st),
+        "attach without upgrade: {st} {text}"
+    );
+    let cat = start_cmd(&h, &v, json!({"argv": ["cat"], "stdin": true})).await;
+    for cid in [&cat, &sig_cmd] {
+        let url = format!("{}{cmds}/{cid}/attach", h.s.url.replace("http://", "ws://"));
+        let mut req = url.into_client_request().unwrap();
+        req.headers_mut().insert(
+            "authorization",
+            format!("Bearer {}", common::TOKEN).parse().unwrap(),
+        );
+        let (mut ws, _) = tokio_tungstenite::connect_async(req).await.expect("attach");
+        for m in [
+            Message::Text("not json".into()),
+            Message::Text(r#"{"type":"resize","rows":-1,"cols":99999999}"#.into()),
+            Message::Text(r#"{"type":"signal","signal":"NOPE"}"#.into()),
+            Message::Text(r#"{"type":"bogus"}"#.into()),
+            Message::Text("[".repeat(100_000)),
+            Message::Binary(vec![0xff; 1000]),
+            Message::Binary(vec![0; 2 << 20]),
+        ] {
+            if ws.send(m).await.is_err() {
+                break;
+            }
+        }
+        // The server answers (an error or a close), it does not hang.
+        let _ = tokio::time::timeout(Duration::from_secs(30), async {
+            while let Some(Ok(m)) = ws.next().await {
+                if m.is_close() {
+                    break;
+                }
+            }
+        })
+        .await;
+    }
+    let (_, c) = h.s.get(&format!("{cmds}/{sig_cmd}")).await;
+    assert!(
+        c["state"] == "running",
+        "garbage on attach changed a command: {c}"
+    );
+    assert_eq!(h.snapshot().await, before);
+    h.healthy("websocket_garbage", Some(&v)).await;
+
+    // Thousands of commands at once in one sandbox: past the per-sandbox limit of
+    // running commands each gets a 429 with the reason; none is a 5xx or hangs.
+    for cid in [&cat, &sig_cmd] {
+        h.s.post(&format!("{cmds}/{cid}/signal"), json!({"signal": "KILL"}))
+            .await;
+        wait_cmd(&h, &v, cid, Duration::from_secs(60)).await;
+    }
+    let n = if rt == "microvm" { 300 } else { 1500 };
+    let answers: Vec<(u16, Value)> = futures::stream::iter(0..n)
+        .map(|_| {
+            let cmds = cmds.clone();
+            let h = &h;
+            async move { h.s.post(&cmds, json!({"argv": ["sleep", "600"]})).await }
+        })
+        .buffer_unordered(64)
+        .collect()
+        .await;
+    let started: Vec<String> = answers
+        .iter()
+        .filter(|(st, _)| *st == 201)
+        .map(|(_, c)| c["id"].as_str().unwrap().to_string())
+        .collect();
+    let limited: Vec<&Value> = answers
+        .iter()
+        .filter(|(st, _)| *st == 429)
+        .map(|(_, v)| v)
+        .collect();
+    eprintln!(
+        "[{rt}] {n} commands at once: {} started, {} refused with 429",
+        started.len(),
+        limited.len()
+    );
+    assert_eq!(
+        started.len() + limited.len(),
+        n,
+        "a 5xx or hang: {answers:?}"
+    );
+    assert!(
+        started.len() <= 64,
+        "{} commands running at once",
+        started.len()
+    );
+    assert!(
+        limited.iter().all(|v| v["error"]["message"]
+            .as_str()
+            .unwrap_or("")
+            .contains("limit")),
+        "{limited:?}"
+    );
+    h.healthy("thousands_of_commands (during)", None).await;
+    for cid in &started {
+        let (st, r) =
+            h.s.post(&format!("{cmds}/{cid}/signal"), json!({"signal": "KILL"}))
+                .await;
+        assert_eq!(st, 200, "{r}");
+    }
+    for cid in &started {
+        wait_cmd(&h, &v, cid, Duration::from_secs(120)).await;
+    }
+    assert_eq!(h.snapshot().await, before);
+    h.healthy("thousands_of_commands", Some(&v)).await;
+
+    h.finish(&[&v]).await;
+}
+
+macro_rules! hostile {
+    ($($case:ident),* $(,)?) => {
+        mod gvisor {
+            $(
+                #[tokio::test]
+                async fn $case() {
+                    super::$case("gvisor").await;
+                }
+            )*
+        }
+        mod microvm {
+            $(
+                #[tokio::test]
+                async fn $case() {
+                    super::$case("microvm").await;
+                }
+            )*
+        }
+    };
+}
+
+hostile!(resource_abuse, host_probes, api_abuse);
