@@ -3,6 +3,7 @@
 #   runsc (gVisor) from Debian bookworm-backports: the 2024 build with the fast systrap platform
 #   mmdebstrap (the debian template), busybox-static (the busybox template),
 #   tmux (the interactive `space exec -t` test)
+#   iptables (nft backend), iproute2, procps (sysctl): egress networking (space_runtime::net)
 set -euo pipefail
 
 if [ "$(id -u)" -ne 0 ]; then
@@ -39,7 +40,8 @@ if ! runsc --version 2>/dev/null | grep -qE 'version 0\.0~2024'; then
 fi
 
 missing=()
-for pkg in mmdebstrap busybox-static ca-certificates util-linux mount e2fsprogs tmux; do
+for pkg in mmdebstrap busybox-static ca-certificates util-linux mount e2fsprogs tmux \
+  iptables iproute2 procps; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'install ok installed' || missing+=("$pkg")
 done
 if [ "${#missing[@]}" -gt 0 ]; then

@@ -271,6 +271,46 @@ pub fn run(runsc: &Path, data_dir: &Path, guest_dir: &Path) -> i32 {
             ),
         }
     }
+    // Egress networking (network.mode "egress"): iptables with the nft backend, ip, sysctl.
+    let missing: Vec<&str> = [
+        "iptables",
+        "iptables-restore",
+        "ip6tables-restore",
+        "ip",
+        "sysctl",
+    ]
+    .into_iter()
+    .filter(|t| on_path(t).is_none())
+    .collect();
+    if !missing.is_empty() {
+        r.line(
+            Level::Warn,
+            "egress",
+            format!(
+                "{} not found: sandboxes with network.mode \"egress\" cannot start (scripts/setup.sh)",
+                missing.join(", ")
+            ),
+        );
+    } else {
+        let v = first_line(Path::new("iptables"), &["--version"]).unwrap_or_default();
+        let forward = std::fs::read_to_string("/proc/sys/net/ipv4/ip_forward")
+            .map(|s| s.trim() == "1")
+            .unwrap_or(false);
+        let note = if forward {
+            "ip_forward is on"
+        } else {
+            "ip_forward is off; the first egress sandbox turns it on"
+        };
+        if v.contains("nf_tables") {
+            r.line(Level::Ok, "egress", format!("{v}; {note}"));
+        } else {
+            r.line(
+                Level::Warn,
+                "egress",
+                format!("{v}: the nf_tables backend is the one tested; {note}"),
+            );
+        }
+    }
     if unsafe { libc::geteuid() } != 0 {
         r.line(
             Level::Fail,
