@@ -514,6 +514,7 @@ mod tests {
         SandboxRecord {
             sandbox: Sandbox {
                 id: id.into(),
+                tenant: "default".into(),
                 state: SandboxState::Creating,
                 template: "busybox".into(),
                 template_version: "1".into(),
@@ -525,8 +526,8 @@ mod tests {
                 secret_names: vec![],
                 network: NetworkSpec {
                     mode: "none".into(),
-                },
                     ..Default::default()
+                },
                 created_at: space_core::now_rfc3339(),
                 updated_at: space_core::now_rfc3339(),
                 expires_at: None,

@@ -163,7 +163,10 @@ mod tests {
             revoked_at: None,
         };
         s.insert_api_key(&k, "h1").unwrap();
-        assert_eq!(s.tenant_for_key_hash("h1").unwrap().as_deref(), Some("acme"));
+        assert_eq!(
+            s.tenant_for_key_hash("h1").unwrap().as_deref(),
+            Some("acme")
+        );
         assert_eq!(s.tenant_for_key_hash("h2").unwrap(), None);
         assert!(s.revoke_api_key("key_1", "2026-01-02T00:00:00Z").unwrap());
         assert!(!s.revoke_api_key("key_1", "2026-01-02T00:00:00Z").unwrap());

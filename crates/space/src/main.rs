@@ -165,6 +165,18 @@ struct ServeArgs {
     /// repeatable. None by default: such recipes are refused.
     #[arg(long = "template-import-dir")]
     template_import_dirs: Vec<PathBuf>,
+    /// Most vCPUs a sandbox may ask for.
+    #[arg(long, default_value_t = 8)]
+    max_vcpus: u32,
+    /// Most memory a sandbox may ask for, MiB.
+    #[arg(long, default_value_t = 16384)]
+    max_memory_mib: u64,
+    /// Largest disk quota a sandbox may ask for, MiB.
+    #[arg(long, default_value_t = 65536)]
+    max_disk_mib: u64,
+    /// Most processes a sandbox may ask for.
+    #[arg(long, default_value_t = 32768)]
+    max_pids: u64,
     /// Sandboxes one tenant may have that are not destroyed or failed (429 past it).
     #[arg(long, default_value_t = 100)]
     tenant_max_sandboxes: u64,
@@ -395,6 +407,20 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         }
     };
 
+    for (what, default, max) in [
+        (
+            "vcpus",
+            u64::from(args.default_vcpus),
+            u64::from(args.max_vcpus),
+        ),
+        ("memory-mib", args.default_memory_mib, args.max_memory_mib),
+        ("disk-mib", args.default_disk_mib, args.max_disk_mib),
+        ("pids", args.default_pids, args.max_pids),
+    ] {
+        if default > max {
+            bail!("--default-{what} {default} is above --max-{what} {max}");
+        }
+    }
     let agent_bin = match args.agent_bin.clone() {
         Some(p) => p,
         None => default_agent_bin()?,
@@ -421,6 +447,12 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             memory_mib: Some(args.default_memory_mib),
             disk_mib: Some(args.default_disk_mib),
             pids: Some(args.default_pids),
+        },
+        max_resources: space_api::Resources {
+            vcpus: Some(args.max_vcpus),
+            memory_mib: Some(args.max_memory_mib),
+            disk_mib: Some(args.max_disk_mib),
+            pids: Some(args.max_pids),
         },
         retention: std::time::Duration::from_secs(args.retention_seconds),
         operation_timeout: args

@@ -693,3 +693,61 @@ async fn limits_answer_429_and_free_up_again() {
     // The server's own token is another tenant, with its own bucket.
     assert_eq!(s.post("/v1/sandboxes", bad).await.0, 404);
 }
+
+/// The most a sandbox may ask for is the operator's choice; asking for more is a 400
+/// that creates nothing.
+#[tokio::test]
+async fn sandbox_resources_are_capped_by_the_server() {
+    let s = TestServer::start_with(&[
+        "--max-vcpus",
+        "2",
+        "--max-memory-mib",
+        "1024",
+        "--max-pids",
+        "4096",
+        "--max-disk-mib",
+        "4096",
+    ])
+    .await;
+    for (res, field) in [
+        (json!({"vcpus": 3}), "vcpus"),
+        (json!({"memory_mib": 2048}), "memory_mib"),
+        (json!({"pids": 5000}), "pids"),
+        (json!({"disk_mib": 8192}), "disk_mib"),
+    ] {
+        let (status, body) = s
+            .post(
+                "/v1/sandboxes",
+                json!({"template": "busybox", "resources": res}),
+            )
+            .await;
+        assert_eq!(status, 400, "{body}");
+        assert!(
+            body["error"]["message"].as_str().unwrap().contains(field),
+            "{body}"
+        );
+    }
+    assert!(s.get("/v1/sandboxes").await.1["sandboxes"]
+        .as_array()
+        .unwrap()
+        .is_empty());
+    // A default above the maximum is refused at start.
+    let dir = tempfile::Builder::new()
+        .prefix("sp")
+        .tempdir_in("/tmp")
+        .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_space"))
+        .args([
+            "serve",
+            "--dev",
+            "--listen",
+            "127.0.0.1:0",
+            "--data-dir",
+            dir.path().to_str().unwrap(),
+        ])
+        .args(["--default-vcpus", "4", "--max-vcpus", "2"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--max-vcpus"));
+}

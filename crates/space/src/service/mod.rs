@@ -52,6 +52,8 @@ pub struct Config {
     pub agent_dir: PathBuf,
     pub max_concurrent_creates: usize,
     pub default_resources: Resources,
+    /// The most a sandbox may ask for (every field set).
+    pub max_resources: Resources,
     /// How long records of destroyed sandboxes (and their command output) are kept.
     pub retention: Duration,
     /// One deadline for every operation kind instead of the built-in ones.
@@ -86,6 +88,12 @@ pub enum ServiceError {
     Unavailable(String),
     #[error("{0}")]
     Forbidden(String),
+    /// A limit was reached (HTTP 429); `retry_after` seconds, when waiting helps.
+    #[error("{message}")]
+    TooMany {
+        message: String,
+        retry_after: Option<u64>,
+    },
     #[error("storage failed")]
     Store(#[from] StoreError),
     #[error("internal error: {0}")]
@@ -231,7 +239,7 @@ impl Service {
     // ---- sandboxes ----
 
     /// `POST /v1/sandboxes`: validates, records, and starts the create operation.
-    pub fn create_sandbox(&self, req: CreateSandboxRequest) -> Result<Operation> {
+    pub fn create_sandbox(&self, tenant: &str, req: CreateSandboxRequest) -> Result<Operation> {
         let template_name = req.template.trim().to_string();
         let runtime = req
             .runtime
@@ -281,6 +289,7 @@ impl Service {
         let rec = SandboxRecord {
             sandbox: Sandbox {
                 id: id.clone(),
+                tenant: tenant.to_string(),
                 state: SandboxState::Creating,
                 template: template_name.clone(),
                 template_version: template
@@ -362,10 +371,21 @@ impl Service {
             ))),
             _ => Ok(()),
         };
-        check("vcpus", r.vcpus.map(u64::from), 1, 64)?;
-        check("memory_mib", r.memory_mib, 64, 1 << 20)?;
-        check("disk_mib", r.disk_mib, 64, 1 << 24)?;
-        check("pids", r.pids, 16, 1 << 22)?;
+        let m = &self.0.cfg.max_resources;
+        check(
+            "vcpus",
+            r.vcpus.map(u64::from),
+            1,
+            m.vcpus.map_or(64, u64::from),
+        )?;
+        check(
+            "memory_mib",
+            r.memory_mib,
+            64,
+            m.memory_mib.unwrap_or(1 << 20),
+        )?;
+        check("disk_mib", r.disk_mib, 64, m.disk_mib.unwrap_or(1 << 24))?;
+        check("pids", r.pids, 16, m.pids.unwrap_or(1 << 22))?;
         Ok(r)
     }
 
@@ -461,6 +481,7 @@ impl Service {
             pids: rec.sandbox.resources.pids.unwrap_or(0),
             disk_mib: rec.sandbox.resources.disk_mib.unwrap_or(0),
             hostname: id.replace('_', "-"),
+            network: network::egress_config(&rec.sandbox.network),
         };
         self.0
             .runtimes
@@ -481,12 +502,12 @@ impl Service {
                 ApiError::new(
                     "agent_timeout",
                     format!(
-            network: network::egress_config(&rec.sandbox.network),
                         "the sandbox's agent did not connect within {}s",
                         AGENT_CONNECT_TIMEOUT.as_secs()
                     ),
                 )
             })?;
+        network::write_hosts(&conn, &rec.sandbox.network).await?;
         let mut rec = self.record(id).map_err(internal)?;
         rec.sandbox.state = transition(rec.sandbox.state, SandboxEvent::Ready)
             .map_err(|e| ApiError::new("conflict", e.to_string()))?;
@@ -507,7 +528,6 @@ impl Service {
             .update_sandbox_and_op(&rec, &op)
             .map_err(internal)?;
         if template.start.is_none() {
-        network::write_hosts(&conn, &rec.sandbox.network).await?;
             self.spawn_monitor(handle);
         }
         tracing::info!(sandbox = %id, operation = %op_id, "sandbox running");
@@ -626,6 +646,11 @@ impl Service {
             }
         }
         self.forget_handle(&handle.id);
+    }
+
+    /// The store, for the API's tenancy checks.
+    pub fn store(&self) -> &Store {
+        &self.0.store
     }
 
     pub fn max_upload_bytes(&self) -> u64 {
