@@ -356,9 +356,10 @@ async fn egress_allowlist_is_enforced_outside_the_sandbox(rt: &str) {
     let (b_ip, _) = link_of(&s, &b).await;
     assert_ne!(a_ip, b_ip);
     // A neighbour listening on its own address.
+    // A neighbour answering one HTTP request on its own address.
     s.sh(
         &b,
-        "(nc -l -p 8080 -e echo neighbour > /dev/null 2>&1 &) ; true",
+        "(printf 'HTTP/1.0 200 OK\\r\\nContent-Length: 10\\r\\n\\r\\nneighbour\\n' | nc -l -p 8080 >/dev/null 2>&1 &) ; true",
     )
     .await;
     let host_ip = net::host_addresses()
@@ -405,6 +406,11 @@ async fn egress_allowlist_is_enforced_outside_the_sandbox(rt: &str) {
         format!("{ALLOWED_IP}\t{ALLOWED_NAME}\n"),
         "{out}"
     );
+    // The neighbour was listening all along (its one answer was still there to take).
+    let out = s
+        .sh(&b, &format!("timeout 4 wget -q -O- http://{b_ip}:8080/"))
+        .await;
+    assert_eq!(out["stdout"], "neighbour\n", "{out}");
     // B's own allowlist works for B and is nothing to A.
     let got_b = probe(
         &s,
@@ -454,9 +460,30 @@ async fn egress_allowlist_is_enforced_outside_the_sandbox(rt: &str) {
     let got = probe(&s, &a, &short).await;
     assert_allowed_only(&got, &allowed);
 
-    // A killed server comes back to the same rules.
-    s.kill_and_restart();
+    // A killed server comes back to the same rules; B vanishes while it is down (its
+    // runsc container deleted, its QEMU killed), and its network goes with it at restart.
+    s.kill9();
+    if rt == "microvm" {
+        for (pid, args) in common::processes_mentioning(&b) {
+            if args.contains("qemu-system") {
+                // SAFETY: plain syscall on a pid we just found.
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+            }
+        }
+    } else {
+        let st = Command::new("runsc")
+            .arg("--root")
+            .arg(s.runsc_root())
+            .args(["delete", "--force", &b])
+            .status()
+            .unwrap();
+        assert!(st.success());
+    }
+    assert!(!net::leftovers(&b).is_empty());
+    s.restart();
     s.wait_state(&a, "running", Duration::from_secs(60)).await;
+    s.wait_state(&b, "failed", Duration::from_secs(60)).await;
+    assert_no_network_left(&b);
     let got = probe(&s, &a, &short).await;
     assert_allowed_only(&got, &allowed);
 
