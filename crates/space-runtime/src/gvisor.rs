@@ -1,7 +1,7 @@
 //! The gVisor driver: one OCI bundle per sandbox, run by `runsc` with the
-//! `systrap` platform, no network, and the template's root under a writable
-//! overlay whose upper layer lives in the sandbox's own state directory (the
-//! template directory is never written).
+//! `systrap` platform, only loopback (unless egress, below), and the template's
+//! root under a writable overlay whose upper layer lives in the sandbox's own
+//! state directory (the template directory is never written).
 //!
 //! The container's PID 1 is `space-agent`, bind-mounted read-only from the
 //! host; the per-sandbox run directory (agent socket + token) is bind-mounted

@@ -12,8 +12,9 @@
 //! server restarts. QEMU dials only once the guest is ready for the host: it starts pointed
 //! at a socket nobody listens on and is switched over (`chardev-change`) when the booting
 //! guest's agent opened the port, or when a restored guest saw the old host go (see
-//! `reattach_agent`), so the agent always begins a connection with a fresh hello. There is
-//! no network device at all.
+//! `reattach_agent`), so the agent always begins a connection with a fresh hello. Without
+//! egress there is no network device at all; an egress sandbox has one virtio-net NIC on a
+//! tap of its own ([`crate::net`]), configured by `/init` from `space.net=` on the command line.
 //!
 //! QEMU runs in its own process group (it outlives a restart of the server; not
 //! `-daemonize`, which forks after the seccomp filter forbids it), with a pid file and a QMP
