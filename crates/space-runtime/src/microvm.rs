@@ -625,6 +625,9 @@ impl Runtime for MicrovmRuntime {
             .map_err(|e| RuntimeError::io("writing the initramfs", std::io::Error::other(e)))?
             .map_err(|e| RuntimeError::io(format!("writing {}", initramfs.display()), e))?
         };
+        // Only the initramfs (and the server's store) hold it now, as under gVisor, where the
+        // agent deletes this file through the bind mount.
+        let _ = std::fs::remove_file(&token_path);
         let base_mib = std::fs::metadata(&base)
             .map_err(|e| RuntimeError::io(format!("reading {}", base.display()), e))?
             .len()
