@@ -24,3 +24,6 @@ cargo test --workspace --no-fail-fast -- --test-threads 4
 # the suites not repeated here, and why).
 SPACE_TEST_RUNTIME=microvm cargo test -p space --test files --test disk --test restart --test cli \
   --no-fail-fast -- --test-threads 3
+
+# The API against its own OpenAPI document: schemathesis, no 5xx (see scripts/schemathesis.sh).
+scripts/schemathesis.sh

@@ -16,6 +16,13 @@ fn base() -> PathBuf {
     std::env::temp_dir().join(format!("space-fuzz-tar-{}", std::process::id()))
 }
 
+/// Removes this process's scratch dir (and the escape dir, if still empty) when
+/// libFuzzer exits.
+extern "C" fn remove_scratch() {
+    let _ = std::fs::remove_dir_all(base());
+    let _ = std::fs::remove_dir(ESCAPE);
+}
+
 fn walk(dir: &Path, out: &mut Vec<(PathBuf, std::fs::Metadata)>) {
     let Ok(rd) = std::fs::read_dir(dir) else {
         return;
@@ -33,6 +40,11 @@ fn walk(dir: &Path, out: &mut Vec<(PathBuf, std::fs::Metadata)>) {
 }
 
 pub fn check(archive: impl Read) {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    // SAFETY: registers a plain function with no captured state.
+    ONCE.call_once(|| unsafe {
+        libc::atexit(remove_scratch);
+    });
     let base = base();
     let root_dir = base.join("root");
     let outside = base.join("outside");

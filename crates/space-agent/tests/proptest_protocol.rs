@@ -6,8 +6,8 @@
 use bytes::Bytes;
 use proptest::prelude::*;
 use space_agent::protocol::{
-    ExitStatus, Frame, FrameDecoder, Hello, HelloReply, PtySize, SpawnRequest, FRAME_HEADER_LEN,
-    MAX_FRAME_PAYLOAD, MAX_HANDSHAKE_BYTES,
+    AgentInfo, CommandInfo, ErrorBody, ExitStatus, Frame, FrameDecoder, Hello, HelloReply, PtySize,
+    SpawnReply, SpawnRequest, FRAME_HEADER_LEN, MAX_FRAME_PAYLOAD, MAX_HANDSHAKE_BYTES,
 };
 
 fn exit_status() -> impl Strategy<Value = ExitStatus> {
@@ -208,5 +208,47 @@ proptest! {
             && !req.argv.iter().chain(req.env.iter().flat_map(|(k, v)| [k, v])).any(|s| s.contains('\0'))
             && req.env.iter().all(|(k, _)| !k.is_empty() && !k.contains('='));
         prop_assert_eq!(ok, expect, "{:?}", req);
+    }
+
+    /// The JSON replies the host reads from the agent (`service/agent.rs`): any bytes,
+    /// and valid replies with bytes flipped, decode or fail cleanly.
+    #[test]
+    fn agent_replies_decode_or_refuse(
+        bytes in proptest::collection::vec(any::<u8>(), 0..512),
+        flips in proptest::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 0..4),
+        which in 0usize..5,
+    ) {
+        let _ = serde_json::from_slice::<SpawnReply>(&bytes);
+        let _ = serde_json::from_slice::<Vec<CommandInfo>>(&bytes);
+        let _ = serde_json::from_slice::<AgentInfo>(&bytes);
+        let _ = serde_json::from_slice::<ErrorBody>(&bytes);
+        let valid = [
+            r#"{"pid":42}"#,
+            r#"[{"id":"cmd_1","pid":7,"exit":null,"stdout_base":0,"stderr_base":0,"stdout_end":5,"stderr_end":0}]"#,
+            r#"{"protocol":1,"agent_version":"0.1.0","pid":1,"commands":0}"#,
+            r#"{"error":{"code":"not_found","message":"no command"}}"#,
+            r#"{"exit_code":0,"signal":null,"timed_out":false,"duration_ms":3}"#,
+        ];
+        if flips.is_empty() {
+            let v = valid[which].as_bytes();
+            let ok = match which {
+                0 => serde_json::from_slice::<SpawnReply>(v).is_ok(),
+                1 => serde_json::from_slice::<Vec<CommandInfo>>(v).is_ok(),
+                2 => serde_json::from_slice::<AgentInfo>(v).is_ok(),
+                3 => serde_json::from_slice::<ErrorBody>(v).is_ok(),
+                _ => serde_json::from_slice::<ExitStatus>(v).is_ok(),
+            };
+            prop_assert!(ok, "a valid reply did not decode: {}", valid[which]);
+        }
+        let mut v = valid[which].as_bytes().to_vec();
+        for (i, b) in &flips {
+            let i = i.index(v.len());
+            v[i] ^= b | 1;
+        }
+        let _ = serde_json::from_slice::<SpawnReply>(&v);
+        let _ = serde_json::from_slice::<Vec<CommandInfo>>(&v);
+        let _ = serde_json::from_slice::<AgentInfo>(&v);
+        let _ = serde_json::from_slice::<ErrorBody>(&v);
+        let _ = serde_json::from_slice::<ExitStatus>(&v);
     }
 }

@@ -222,7 +222,47 @@ fn query_param(name: &str) -> Value {
         ),
         _ => (json!({"type": "string"}), false, ""),
     };
-    json!({"name": name, "in": "query", "required": required, "description": description, "schema": schema})
+    let mut p = json!({"name": name, "in": "query", "required": required, "description": description, "schema": schema});
+    if let Some(e) = query_example(name) {
+        p["example"] = e;
+    }
+    p
+}
+
+/// A working request body per operation: documentation, and what schemathesis's
+/// examples phase sends first (so its later phases reach a live sandbox).
+fn body_example(operation_id: &str) -> Option<Value> {
+    Some(match operation_id {
+        "createSandbox" => {
+            json!({"template": "busybox", "ttl_seconds": 600, "labels": {"team": "a"}})
+        }
+        "keepaliveSandbox" => json!({"ttl_seconds": 600}),
+        "snapshotTemplate" => json!({"name": "my-snapshot"}),
+        "createCommand" => json!({"argv": ["echo", "hello"], "wait": true}),
+        "signalCommand" => json!({"signal": "TERM"}),
+        "mkdir" => json!({"path": "/tmp/new-dir", "mode": 493}),
+        "moveFile" => json!({"from": "/tmp/new-dir", "to": "/tmp/moved-dir"}),
+        "buildTemplate" => json!({"name": "tools", "base": "busybox",
+            "files": [{"path": "/etc/motd", "content": "hello\n"}]}),
+        _ => return None,
+    })
+}
+
+/// A working value per query parameter.
+fn query_example(name: &str) -> Option<Value> {
+    Some(match name {
+        "label" => json!("team=a"),
+        "wait" => json!("1s"),
+        "offset" => json!(0),
+        "stream" => json!("combined"),
+        "path" => json!("/tmp"),
+        "format" => json!("raw"),
+        "mode" => json!("0644"),
+        "depth" => json!(2),
+        "limit" => json!(10),
+        "after" => json!(0),
+        _ => return None,
+    })
 }
 
 fn health(_: &mut SchemaGenerator) -> Value {
@@ -376,12 +416,16 @@ fn operation(route: &Route, g: &mut SchemaGenerator) -> Value {
     match route.body {
         Body::None => {}
         Body::Json(f) | Body::OptionalJson(f) => {
+            let mut media = json!({ "schema": f(g) });
+            if let Some(e) = body_example(route.operation_id) {
+                media["example"] = e;
+            }
             op.insert(
                 "requestBody".into(),
                 json!({
                     "required": matches!(route.body, Body::Json(_)),
                     "description": format!("JSON, at most {MAX_JSON_BODY} bytes; unknown fields are refused"),
-                    "content": {"application/json": {"schema": f(g)}},
+                    "content": {"application/json": media},
                 }),
             );
         }
