@@ -40,7 +40,16 @@ pub(crate) fn resolve(req: Option<&NetworkSpec>) -> Result<NetworkSpec, ServiceE
             let Some(allow) = &n.allow else {
                 return bad("network.mode \"egress\" needs network.allow".into());
             };
-            let resolved = net::resolve_allowlist(allow).map_err(ServiceError::BadRequest)?;
+            // Name lookups may wait on DNS: keep them off the other requests' way.
+            let lookup = || net::resolve_allowlist(allow);
+            let multi_thread = tokio::runtime::Handle::try_current()
+                .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
+            let resolved = if multi_thread {
+                tokio::task::block_in_place(lookup)
+            } else {
+                lookup()
+            }
+            .map_err(ServiceError::BadRequest)?;
             Ok(NetworkSpec {
                 mode: "egress".into(),
                 allow: Some(allow.clone()),
