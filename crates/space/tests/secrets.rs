@@ -409,8 +409,13 @@ async fn nothing_of_the_host_or_the_agent_is_readable_inside(rt: &str) {
          [ -e /.space/run/token ] && echo 'token file'; ",
     );
     if rt == "microvm" {
+        // Nor can it reach what QEMU handed the guest at boot (the initramfs holds the
+        // token): no fw_cfg files, no physical memory, no I/O ports.
         probe.push_str(
-            "for f in /proc/1/environ /proc/1/maps /proc/1/auxv; do \
+            "ls /sys/firmware/qemu_fw_cfg >/dev/null 2>&1 && echo 'fw_cfg in sysfs'; \
+             for f in /dev/mem /dev/port /proc/kcore; do \
+               dd if=$f of=/dev/null bs=1 count=1 2>/dev/null && echo \"read $f\"; done; \
+             for f in /proc/1/environ /proc/1/maps /proc/1/auxv; do \
                (exec 3<$f) 2>/dev/null && echo \"opened $f\"; done; \
              for fd in /proc/1/fd/*; do \
                readlink $fd >/dev/null 2>&1 && echo \"followed $fd\"; \
