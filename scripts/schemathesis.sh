@@ -14,7 +14,9 @@
 # test templates.
 #
 # Environment: SCHEMATHESIS_EXAMPLES (per operation, default 25),
-# SCHEMATHESIS_SEED (default: random, printed), SPACE_BIN (default target/debug/space).
+# SCHEMATHESIS_SEED (default: random, printed), SCHEMATHESIS_CHECKS (default: the four that
+# hold: not_a_server_error, status_code_conformance, content_type_conformance,
+# response_schema_conformance), SPACE_BIN (default target/debug/space).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -23,6 +25,7 @@ VENV=target/venv-schemathesis
 EXAMPLES=${SCHEMATHESIS_EXAMPLES:-25}
 SEED=${SCHEMATHESIS_SEED:-$RANDOM}
 BIN=${SPACE_BIN:-target/debug/space}
+CHECKS=${SCHEMATHESIS_CHECKS:-not_a_server_error,status_code_conformance,content_type_conformance,response_schema_conformance}
 
 if [[ "$("$VENV/bin/schemathesis" --version 2>/dev/null)" != *"$VERSION"* ]]; then
   python3 -m venv "$VENV"
@@ -137,7 +140,7 @@ ST=("$VENV/bin/schemathesis")
 COMMON=(
   --url "$URL"
   -H "Authorization: Bearer $TOKEN"
-  --checks not_a_server_error,status_code_conformance,content_type_conformance,response_schema_conformance
+  --checks "$CHECKS"
   --max-examples "$EXAMPLES"
   --workers 1
   --request-timeout 30

@@ -211,9 +211,9 @@ fn query_param(name: &str) -> Value {
             "Only this sandbox's operations",
         ),
         "limit" => (
-            json!({"type": "integer", "minimum": 1, "maximum": 1000}),
+            json!({"type": "integer", "minimum": 0}),
             false,
-            "At most this many (default 100)",
+            "At most this many (default 100; clamped to 1-1000)",
         ),
         "after" => (
             json!({"type": "integer", "format": "int64"}),
@@ -319,9 +319,9 @@ fn mkdir_request(_: &mut SchemaGenerator) -> Value {
         "type": "object", "additionalProperties": false, "required": ["path"],
         "properties": {
             "path": {"type": "string"},
-            "mode": {"type": "integer", "minimum": 0, "maximum": 4095},
-            "uid": {"type": "integer", "format": "uint32", "minimum": 0},
-            "gid": {"type": "integer", "format": "uint32", "minimum": 0},
+            "mode": {"type": ["integer", "null"], "minimum": 0, "maximum": 4095},
+            "uid": {"type": ["integer", "null"], "format": "uint32", "minimum": 0},
+            "gid": {"type": ["integer", "null"], "format": "uint32", "minimum": 0},
         },
     })
 }
@@ -332,7 +332,7 @@ fn move_request(_: &mut SchemaGenerator) -> Value {
         "properties": {
             "from": {"type": "string"},
             "to": {"type": "string"},
-            "overwrite": {"type": "boolean"},
+            "overwrite": {"type": ["boolean", "null"]},
         },
     })
 }
