@@ -30,7 +30,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// Run the server.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Manage sandboxes.
     #[command(subcommand)]
     Sandbox(cli::SandboxCmd),
@@ -199,7 +199,7 @@ fn main() -> anyhow::Result<()> {
     match cli.command {
         Cmd::Serve(args) => {
             init_tracing();
-            rt.block_on(serve(args))
+            rt.block_on(serve(*args))
         }
         Cmd::Admin(AdminCmd::PrepareTemplate {
             name,

@@ -114,7 +114,7 @@ pub async fn snapshot_template(
     }
     let claimed = match super::templates::claim(&st, &tenant, &req.name) {
         Ok(c) => c,
-        Err(r) => return r,
+        Err(r) => return *r,
     };
     let r = st.service.snapshot_template(&id, &req.name);
     if r.is_err() && claimed {

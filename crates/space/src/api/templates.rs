@@ -29,19 +29,19 @@ pub async fn list(State(st): State<AppState>, Extension(tenant): Extension<Tenan
 /// Makes `name` the caller's template name (a name is one tenant's until its
 /// template is deleted): 409 when another tenant's template has it. `Ok(true)`
 /// when this call made the claim (undo it with [`unclaim`] if the build is refused).
-pub(super) fn claim(st: &AppState, tenant: &Tenant, name: &str) -> Result<bool, Response> {
+pub(super) fn claim(st: &AppState, tenant: &Tenant, name: &str) -> Result<bool, Box<Response>> {
     let store = st.service.store();
     let taken = || {
-        error(
+        Box::new(error(
             StatusCode::CONFLICT,
             "conflict",
             format!(
                 "the template name {:?} is taken: choose another",
                 crate::service::truncate(name, 64)
             ),
-        )
+        ))
     };
-    let internal = |e: crate::service::ServiceError| HttpError(e).into_response();
+    let internal = |e: crate::service::ServiceError| Box::new(HttpError(e).into_response());
     // Built-in names are refused by the build itself, with its own message.
     if template_tenant(store, name).map_err(internal)?.is_none() {
         return Ok(false);
@@ -131,7 +131,7 @@ pub async fn build(
     let name = recipe.name.clone();
     let claimed = match claim(&st, &tenant, &name) {
         Ok(c) => c,
-        Err(r) => return r,
+        Err(r) => return *r,
     };
     let r = st.service.build_template(recipe);
     if r.is_err() && claimed {
