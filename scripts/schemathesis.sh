@@ -55,24 +55,32 @@ leftovers() {
     grep -vx "${SERVER_PID:-0}" || true
 }
 
-# Destroys every sandbox that is not yet destroyed: all destroys first, then the waits.
+# Destroys every sandbox that is not yet destroyed and waits until none is left (one that
+# is already being destroyed or changing state answers 409 and is asked again); prints the
+# ids still there after 90 s.
 destroy_all() {
-  local ids op ops=()
-  ids=$(api GET /v1/sandboxes | python3 -c '
+  local ids id op ops deadline=$((SECONDS + 90))
+  while :; do
+    ids=$(api GET /v1/sandboxes | python3 -c '
 import json, sys
 for s in json.load(sys.stdin).get("sandboxes", []):
     if s["state"] != "destroyed":
         print(s["id"])' 2>/dev/null)
-  for id in $ids; do
-    op=$(api DELETE "/v1/sandboxes/$id" | python3 -c 'import json,sys; print(json.load(sys.stdin).get("id",""))' 2>/dev/null)
-    [[ -n "$op" ]] && ops+=("$op")
+    if [[ -z "$ids" || $SECONDS -ge $deadline ]]; then
+      echo $ids
+      return
+    fi
+    ops=()
+    for id in $ids; do
+      op=$(api DELETE "/v1/sandboxes/$id" | python3 -c 'import json,sys; print(json.load(sys.stdin).get("id",""))' 2>/dev/null)
+      [[ -n "$op" ]] && ops+=("$op")
+    done
+    for op in "${ops[@]}"; do
+      api GET "/v1/operations/$op?wait=60s" >/dev/null
+    done
+    # Only sandboxes busy with another operation left: give it a moment.
+    ((${#ops[@]} > 0)) || sleep 0.5
   done
-  for op in "${ops[@]}"; do
-    api GET "/v1/operations/$op?wait=60s" >/dev/null
-  done
-  api GET /v1/sandboxes | python3 -c '
-import json, sys
-print(" ".join(s["id"] for s in json.load(sys.stdin).get("sandboxes", []) if s["state"] != "destroyed"))' 2>/dev/null
 }
 
 cleanup() {
