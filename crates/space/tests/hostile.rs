@@ -980,6 +980,37 @@ async fn host_probes(rt: &'static str) {
         .contains("SPACE_HOSTILE_SECRET"));
     v = h.next_victim("server_env", v, &body).await;
 
+    // Crashing the sandbox's kernel (sysrq `c`; gVisor has no sysrq-trigger): the
+    // host's kernel is untouched, and the victim keeps working or fails with a reason.
+    let out = h
+        .sh(&v, "echo c > /proc/sysrq-trigger 2>&1; echo 1 > /proc/sys/kernel/panic 2>&1; echo rc=$?")
+        .await;
+    eprintln!("[{rt}] sysrq crash: {out}");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(150);
+    loop {
+        let (_, sb) = h.s.get(&format!("/v1/sandboxes/{v}")).await;
+        if sb["state"] == "failed" {
+            assert!(sb["failure_reason"].is_string(), "{sb}");
+            eprintln!("[{rt}] the crashed sandbox failed: {}", sb["failure_reason"]);
+            break;
+        }
+        let (st, echo) = tokio::time::timeout(
+            Duration::from_secs(60),
+            h.try_cmd(&v, json!({"argv": ["echo", "ok"], "wait": true})),
+        )
+        .await
+        .unwrap_or((0, Value::Null));
+        if st == 201 && echo["stdout"] == "ok\n" {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "after a kernel crash the sandbox neither works nor failed: {sb}"
+        );
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    v = h.next_victim("guest_kernel_crash", v, &body).await;
+
     assert_eq!(host_settings(), settings, "a host kernel setting changed");
     h.finish(&[&v]).await;
 }
@@ -1309,7 +1340,7 @@ async fn api_abuse(rt: &'static str) {
     // Invalid UTF-8 in a path segment is refused by axum's `Path` extractor before
     // our handlers run: a 400, but plain text rather than our JSON error (a finding).
     for p in [
-        format!("/v1/sandboxes/sb_%FF%FE"),
+        "/v1/sandboxes/sb_%FF%FE".to_string(),
         format!("{cmds}/cmd_%FF"),
     ] {
         let (st, text) = h.raw(get.clone(), &p, None, None).await;
@@ -1456,7 +1487,7 @@ async fn api_abuse(rt: &'static str) {
         format!("{files}/list?path=/tmp&depth=0"),
         format!("{files}?path=/tmp/q&uid=-1"),
         "/v1/operations?limit=-1".to_string(),
-        format!("/v1/events?after=-99999999999999999999999"),
+        "/v1/events?after=-99999999999999999999999".to_string(),
         format!("{cmds}/{done}/output?offset=1&offset=2"),
         format!("{files}?path=/tmp&unknown=1"),
     ] {
