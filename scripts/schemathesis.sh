@@ -41,7 +41,7 @@ TOKEN="st-$(head -c 12 /dev/urandom | od -An -tx1 | tr -d ' \n')"
 SERVER_PID=""
 FAILED=0
 
-log() { echo "schemathesis.sh: $*" >&2; }
+log() { echo "schemathesis.sh [${SECONDS}s]: $*" >&2; }
 
 api() { # METHOD PATH [BODY]
   local args=(-sS -X "$1" -H "Authorization: Bearer $TOKEN" --max-time 120)
@@ -88,6 +88,7 @@ cleanup() {
   set +e
   if [[ -n "$SERVER_PID" ]] && kill -0 "$SERVER_PID" 2>/dev/null; then
     local remaining
+    log "destroying what is left"
     remaining=$(destroy_all)
     if [[ -n "$remaining" ]]; then
       log "sandboxes not destroyed: $remaining"
@@ -144,7 +145,7 @@ log "server $URL (pid $SERVER_PID), seed $SEED, $EXAMPLES examples per operation
 api GET /v1/openapi.json >"$TMP/openapi.json"
 python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); assert d["openapi"].startswith("3.1") and d["paths"]' "$TMP/openapi.json"
 
-ST=("$VENV/bin/schemathesis")
+ST=("$PWD/$VENV/bin/schemathesis")
 COMMON=(
   --url "$URL"
   -H "Authorization: Bearer $TOKEN"
@@ -161,13 +162,14 @@ COMMON=(
 
 # Pass 1: everything but the never-ending event stream.
 log "pass 1: all operations"
-if ! "${ST[@]}" run "$TMP/openapi.json" "${COMMON[@]}" --exclude-path /v1/events \
-  --max-time 80 >"$TMP/pass1.log" 2>&1; then
+if ! (cd "$TMP" && "${ST[@]}" run "$TMP/openapi.json" "${COMMON[@]}" --exclude-path /v1/events \
+  --max-time 80) >"$TMP/pass1.log" 2>&1; then
   FAILED=1
 fi
 tail -n 25 "$TMP/pass1.log"
 
 # Pass 2: one live sandbox and one finished command (after pass 1's are gone: at most 4).
+log "destroying pass 1's sandboxes"
 left=$(destroy_all)
 [[ -z "$left" ]] || { log "sandboxes of pass 1 not destroyed: $left"; exit 1; }
 log "pass 2: /v1/sandboxes/{id}/… on a running sandbox"
@@ -183,12 +185,12 @@ cat >"$TMP/pass2.toml" <<EOF
 include-path-regex = "^/v1/sandboxes/\\\\{id\\\\}"
 parameters = { "path.id" = "$SB", "path.cid" = "$CMD" }
 EOF
-if ! "${ST[@]}" --config-file "$TMP/pass2.toml" run "$TMP/openapi.json" "${COMMON[@]}" \
+if ! (cd "$TMP" && "${ST[@]}" --config-file "$TMP/pass2.toml" run "$TMP/openapi.json" "${COMMON[@]}" \
   --include-path-regex '^/v1/sandboxes/\{id\}' \
   --exclude-operation-id destroySandbox --exclude-operation-id pauseSandbox \
   --exclude-operation-id resumeSandbox --exclude-operation-id suspendSandbox \
   --exclude-operation-id snapshotTemplate --exclude-operation-id keepaliveSandbox \
-  --max-time 45 >"$TMP/pass2.log" 2>&1; then
+  --max-time 45) >"$TMP/pass2.log" 2>&1; then
   FAILED=1
 fi
 tail -n 25 "$TMP/pass2.log"
