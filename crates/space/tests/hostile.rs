@@ -182,41 +182,63 @@ impl Hostile {
     async fn healthy(&self, case: &str, victim: Option<&str>) -> bool {
         let (st, v) = self.s.get("/healthz").await;
         assert_eq!(st, 200, "{case}: /healthz: {v}");
-        let echo = |sb: String| async move {
-            tokio::time::timeout(
-                HEALTH_DEADLINE,
-                self.try_cmd(&sb, json!({"argv": ["echo", "ok"], "wait": true})),
-            )
-            .await
-        };
-        let n = echo(self.neighbour.clone()).await;
-        let Ok((201, out)) = n else {
-            panic!("{case}: the neighbour did not answer: {n:?}")
-        };
-        assert_eq!(out["stdout"], "ok\n", "{case}: neighbour: {out}");
+        assert!(
+            self.echo(case, &self.neighbour).await,
+            "{case}: the neighbour failed"
+        );
         let mut alive = true;
         if let Some(sb) = victim {
-            match echo(sb.to_string()).await {
-                Ok((201, out)) if out["stdout"] == "ok\n" => {}
-                other => {
-                    let (_, v) = self.s.get(&format!("/v1/sandboxes/{sb}")).await;
-                    assert_eq!(
-                        v["state"], "failed",
-                        "{case}: the victim neither works nor failed: {other:?}; {v}"
-                    );
-                    let reason = v["failure_reason"]
-                        .as_str()
-                        .or(v["reason"].as_str())
-                        .or(v["error"]["message"].as_str())
-                        .unwrap_or_default();
-                    assert!(!reason.is_empty(), "{case}: failed without a reason: {v}");
-                    eprintln!("[{}] {case}: the victim failed cleanly: {reason}", self.rt);
-                    alive = false;
-                }
+            if !self.echo(case, sb).await {
+                let (_, v) = self.s.get(&format!("/v1/sandboxes/{sb}")).await;
+                let reason = v["failure_reason"].as_str().unwrap_or_default();
+                assert!(!reason.is_empty(), "{case}: failed without a reason: {v}");
+                eprintln!("[{}] {case}: the victim failed cleanly: {reason}", self.rt);
+                alive = false;
             }
         }
         eprintln!("hostile: {case} passed on {}", self.rt);
         alive
+    }
+
+    /// `echo ok` in `sb` within the health deadline: `true` when it answers, `false`
+    /// when the sandbox is `failed`. A sandbox whose agent is briefly away (a
+    /// starved agent misses its keepalive and dials in again) is asked again, and
+    /// that is printed; anything else, or no answer by the deadline, fails the test.
+    async fn echo(&self, case: &str, sb: &str) -> bool {
+        let deadline = tokio::time::Instant::now() + HEALTH_DEADLINE;
+        loop {
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            let answer = tokio::time::timeout(
+                left,
+                self.try_cmd(sb, json!({"argv": ["echo", "ok"], "wait": true})),
+            )
+            .await;
+            match answer {
+                Ok((201, out)) if out["stdout"] == "ok\n" => return true,
+                Ok((503, out)) => {
+                    eprintln!(
+                        "NOTE [{}] {case}: {sb} answered 503, asking again: {out}",
+                        self.rt
+                    );
+                }
+                other => {
+                    let (_, v) = self.s.get(&format!("/v1/sandboxes/{sb}")).await;
+                    if v["state"] == "failed" {
+                        return false;
+                    }
+                    panic!("{case}: {sb} neither works nor failed: {other:?}; {v}");
+                }
+            }
+            let (_, v) = self.s.get(&format!("/v1/sandboxes/{sb}")).await;
+            if v["state"] == "failed" {
+                return false;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{case}: {sb} did not answer within {HEALTH_DEADLINE:?}: {v}"
+            );
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
     }
 
     /// `healthy`, then a fresh victim if the old one is gone.
@@ -261,9 +283,15 @@ impl Hostile {
         body: Option<Vec<u8>>,
         content_type: Option<&str>,
     ) -> (u16, String) {
-        let mut rb = self
-            .s
-            .req(method.clone(), path)
+        // A connection of its own: the server closes one after refusing a body it
+        // did not read, and a pooled one could be reused just as it closes.
+        let client = reqwest::Client::builder()
+            .pool_max_idle_per_host(0)
+            .build()
+            .unwrap();
+        let mut rb = client
+            .request(method.clone(), format!("{}{path}", self.s.url))
+            .bearer_auth(common::TOKEN)
             .timeout(Duration::from_secs(60));
         if let Some(ct) = content_type {
             rb = rb.header("content-type", ct);
@@ -983,7 +1011,10 @@ async fn host_probes(rt: &'static str) {
     // Crashing the sandbox's kernel (sysrq `c`; gVisor has no sysrq-trigger): the
     // host's kernel is untouched, and the victim keeps working or fails with a reason.
     let out = h
-        .sh(&v, "echo c > /proc/sysrq-trigger 2>&1; echo 1 > /proc/sys/kernel/panic 2>&1; echo rc=$?")
+        .sh(
+            &v,
+            "echo c > /proc/sysrq-trigger 2>&1; echo 1 > /proc/sys/kernel/panic 2>&1; echo rc=$?",
+        )
         .await;
     eprintln!("[{rt}] sysrq crash: {out}");
     let deadline = tokio::time::Instant::now() + Duration::from_secs(150);
@@ -991,7 +1022,10 @@ async fn host_probes(rt: &'static str) {
         let (_, sb) = h.s.get(&format!("/v1/sandboxes/{v}")).await;
         if sb["state"] == "failed" {
             assert!(sb["failure_reason"].is_string(), "{sb}");
-            eprintln!("[{rt}] the crashed sandbox failed: {}", sb["failure_reason"]);
+            eprintln!(
+                "[{rt}] the crashed sandbox failed: {}",
+                sb["failure_reason"]
+            );
             break;
         }
         let (st, echo) = tokio::time::timeout(
