@@ -6,6 +6,7 @@
 //! When the connection ends it dials again; commands and their unacknowledged
 //! output live in [`http::Agent`] and survive reconnects.
 
+mod cgroup;
 mod command;
 mod files;
 mod http;
@@ -103,7 +104,7 @@ async fn main() -> ExitCode {
     // Before the token is read: a non-dumpable process's memory (and, under Linux, its
     // environment, descriptors and other /proc files; gVisor checks only memory and ptrace)
     // is closed to every process without CAP_SYS_PTRACE, root included, and commands never
-    // have that capability (spawn::DROPPED_CAPABILITIES). Children are dumpable again after
+    // have that capability (spawn::KEPT_CAPABILITIES). Children are dumpable again after
     // their exec.
     // SAFETY: plain syscall.
     if unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) } != 0 {
@@ -125,6 +126,18 @@ async fn main() -> ExitCode {
         // Outside a sandbox, orphans of our commands come to us as they would to PID 1.
         // SAFETY: plain syscall.
         unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
+    } else {
+        // Only as a sandbox's init: never touch the cgroups of a host we are tested on.
+        cgroup::protect_agent();
+        match cgroup::setup(spawn::tasks_limit()) {
+            cgroup::Setup::Confined { pids, memory_bytes } => eprintln!(
+                "space-agent: commands run in their own cgroup (pids.max {pids}, memory.max {})",
+                memory_bytes.map_or("unset".to_string(), |b| format!("{} MiB", b >> 20))
+            ),
+            cgroup::Setup::Unavailable(why) => {
+                eprintln!("space-agent: no cgroup for commands ({why}); RLIMIT_NPROC only")
+            }
+        }
     }
     let agent = Arc::new(Agent::default());
     // Registered before any spawn, so no SIGCHLD is missed.

@@ -37,6 +37,11 @@ static TASKS_LIMIT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64:
 pub fn set_tasks_limit(limit: u64) {
     TASKS_LIMIT.store(limit, std::sync::atomic::Ordering::Relaxed);
 }
+
+/// The limit set by [`set_tasks_limit`] (0: none).
+pub fn tasks_limit() -> u64 {
+    TASKS_LIMIT.load(std::sync::atomic::Ordering::Relaxed)
+}
 /// Exit code of a command whose program could not be run for another reason.
 const CANNOT_RUN: i32 = 126;
 
@@ -217,6 +222,8 @@ pub fn start(reaper: &Reaper, cmd: &Arc<Cmd>, req: &SpawnRequest) -> Outcome {
             if libc::setsid() < 0 {
                 return Err(io::Error::last_os_error());
             }
+            // While still root: the cgroup's files are root's.
+            crate::cgroup::enter()?;
             // std has made the terminal our stdin by now; a session leader
             // without a controlling terminal takes it with this.
             if on_pty && libc::ioctl(0, libc::TIOCSCTTY, 0) != 0 {
@@ -276,37 +283,51 @@ pub fn start(reaper: &Reaper, cmd: &Arc<Cmd>, req: &SpawnRequest) -> Outcome {
     }
 }
 
-/// Capabilities no command gets, even as root: each one reads the memory of other processes
-/// (the agent's token, other commands' secrets) or the kernel's, directly or by loading code
-/// into the kernel. `CAP_SYS_PTRACE` (ptrace, `/proc/<pid>/mem`, `environ` and `fd` of a
-/// non-dumpable process such as the agent), `CAP_SYS_ADMIN` (BPF and perf without the two
-/// split capabilities, and much else), `CAP_SYS_MODULE` (kernel modules), `CAP_SYS_RAWIO`
-/// (`/dev/mem`, `/proc/kcore`, I/O ports such as the microVM's fw_cfg), `CAP_SYS_BOOT`
-/// (`kexec_load`), `CAP_PERFMON` and `CAP_BPF`. What root commands commonly use stays:
-/// chown, setuid/setgid (apt-get's sandbox user, su), binding low ports, chroot, mknod,
-/// raw sockets, kill. gVisor's sandboxes never had the first two (its OCI spec); in a
-/// microVM the agent is the kernel's init with every capability, so this is what keeps them
-/// from commands there.
-pub const DROPPED_CAPABILITIES: &[u32] = &[
-    19, // CAP_SYS_PTRACE
-    21, // CAP_SYS_ADMIN
-    16, // CAP_SYS_MODULE
-    17, // CAP_SYS_RAWIO
-    22, // CAP_SYS_BOOT
-    38, // CAP_PERFMON
-    39, // CAP_BPF
+/// The only capabilities a command may have, even as root: the set a gVisor sandbox is
+/// given (its OCI spec, the same as Docker's default), so a command can do the same on
+/// both runtimes. What root commands commonly use stays: chown, file ownership and modes
+/// (`CAP_DAC_OVERRIDE`, `CAP_FOWNER`, `CAP_FSETID`), setuid/setgid (apt-get's sandbox user,
+/// su), binding low ports, chroot, mknod, raw sockets, kill. Everything else goes, notably
+/// `CAP_SYS_PTRACE` (ptrace, `/proc/<pid>/mem`, `environ` and `fd` of a non-dumpable
+/// process such as the agent), `CAP_SYS_ADMIN` (mounts — the commands' cgroup could be
+/// remounted and left —, BPF, perf, and much else), `CAP_SYS_MODULE`, `CAP_SYS_RAWIO`
+/// (`/dev/mem`, `/proc/kcore`, I/O ports), `CAP_SYS_BOOT` (`kexec_load`), `CAP_SYS_RESOURCE`
+/// (raising the process limit's hard value), `CAP_NET_ADMIN`, `CAP_SYS_TIME`, `CAP_PERFMON`
+/// and `CAP_BPF`. In a microVM the agent is the kernel's init with every capability, so
+/// this is what keeps them from commands there.
+pub const KEPT_CAPABILITIES: &[u32] = &[
+    0,  // CAP_CHOWN
+    1,  // CAP_DAC_OVERRIDE
+    3,  // CAP_FOWNER
+    4,  // CAP_FSETID
+    5,  // CAP_KILL
+    6,  // CAP_SETGID
+    7,  // CAP_SETUID
+    8,  // CAP_SETPCAP
+    10, // CAP_NET_BIND_SERVICE
+    13, // CAP_NET_RAW
+    18, // CAP_SYS_CHROOT
+    27, // CAP_MKNOD
+    29, // CAP_AUDIT_WRITE
+    31, // CAP_SETFCAP
 ];
 
-/// In a child before `exec`: takes [`DROPPED_CAPABILITIES`] out of the bounding set (so no
+/// In a child before `exec`: takes all but [`KEPT_CAPABILITIES`] out of the bounding set (so no
 /// file capability or setuid-root binary brings them back), empties the inheritable and
 /// ambient sets (which `exec` of a root program would otherwise add back in). A capability
 /// that is in the bounding set and cannot be dropped fails the command rather than leaving
 /// it with more than it should have. Allocation-free.
 fn drop_capabilities() -> io::Result<()> {
-    for &cap in DROPPED_CAPABILITIES {
+    for cap in 0u32..64 {
+        if KEPT_CAPABILITIES.contains(&cap) {
+            continue;
+        }
         // SAFETY: plain prctl calls with integer arguments.
         let present = unsafe { libc::prctl(libc::PR_CAPBSET_READ, cap as libc::c_ulong, 0, 0, 0) };
-        // < 0: a capability this kernel does not know, so nothing can hold it.
+        // < 0: past the last capability this kernel knows; nothing can hold those.
+        if present < 0 {
+            break;
+        }
         if present == 1
             && unsafe { libc::prctl(libc::PR_CAPBSET_DROP, cap as libc::c_ulong, 0, 0, 0) } != 0
         {

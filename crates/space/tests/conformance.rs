@@ -220,6 +220,25 @@ async fn resources_are_applied(rt: &str) {
         .await;
     let text = fill["stdout"].as_str().unwrap();
     assert!(text.contains("No space left"), "{fill}");
+    // Root commands cannot lift their limits: no cgroup filesystem to move out through
+    // (and none to mount), no way to raise the process limit's hard value.
+    let escape = s
+        .sh(
+            &sb,
+            "rm -f /fill; mkdir -p /tmp/cg; mount -t cgroup2 none /tmp/cg 2>&1 && echo MOUNTED; \
+             echo $$ > /sys/fs/cgroup/cgroup.procs 2>/dev/null && echo MOVED; \
+             ulimit -u unlimited 2>/dev/null && echo RAISED; \
+             cat /proc/self/cgroup",
+        )
+        .await;
+    let text = escape["stdout"].as_str().unwrap();
+    for bad in ["MOUNTED", "MOVED", "RAISED"] {
+        assert!(!text.contains(bad), "{bad}: {escape}");
+    }
+    if rt == "microvm" {
+        // The guest's commands live in their own cgroup (pids.max, memory.max).
+        assert!(text.contains("0::/space-commands"), "{escape}");
+    }
     s.destroy(&sb).await;
 }
 

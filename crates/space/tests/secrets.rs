@@ -451,6 +451,18 @@ async fn nothing_of_the_host_or_the_agent_is_readable_inside(rt: &str) {
         }
     }
     assert_eq!(caps(out, "CapInh"), 0, "{out}");
+    // gVisor's set (Docker's default) on both runtimes, nothing more; runsc also withholds
+    // CAP_NET_RAW unless it is started with --net-raw.
+    let kept: u64 = [0u32, 1, 3, 4, 5, 6, 7, 8, 10, 13, 18, 27, 29, 31]
+        .iter()
+        .map(|c| 1u64 << c)
+        .sum();
+    let net_raw = 1u64 << 13;
+    for set in ["CapBnd", "CapEff"] {
+        let bits = caps(out, set);
+        assert_eq!(bits & !kept, 0, "{set} has more than the kept set: {out}");
+        assert_eq!(bits | net_raw, kept, "{set} lacks part of the kept set: {out}");
+    }
     for cap in [CAP_CHOWN, CAP_SETUID] {
         assert_ne!(caps(out, "CapEff") & (1 << cap), 0, "{out}");
     }
