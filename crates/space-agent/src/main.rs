@@ -10,6 +10,7 @@ mod cgroup;
 mod command;
 mod files;
 mod http;
+mod masks;
 mod port;
 mod pty;
 mod reaper;
@@ -137,6 +138,15 @@ async fn main() -> ExitCode {
             cgroup::Setup::Unavailable(why) => {
                 eprintln!("space-agent: no cgroup for commands ({why}); RLIMIT_NPROC only")
             }
+        }
+        // After the cgroup, which mounts below /sys. All or nothing per path: under gVisor
+        // every mount fails, which is expected there (its /proc/sys and /sys are its own).
+        let problems = masks::apply();
+        if !problems.is_empty() {
+            eprintln!(
+                "space-agent: kernel knobs left as they are: {}",
+                problems.join("; ")
+            );
         }
     }
     let agent = Arc::new(Agent::default());

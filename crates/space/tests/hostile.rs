@@ -738,20 +738,23 @@ async fn host_probes(rt: &'static str) {
     let out = h
         .sh(
             &v,
-            "head -c 4096 /proc/kcore >/dev/null 2>&1 && echo kcore-readable; \
+            "[ \"$(head -c 4096 /proc/kcore 2>/dev/null | wc -c)\" -gt 0 ] && echo kcore-readable; \
              echo '|/tmp/evil %p' > /proc/sys/kernel/core_pattern 2>&1; \
              echo 1 > /proc/sys/kernel/sysrq 2>&1; echo 3 > /proc/sys/vm/drop_caches 2>&1; \
              echo 2 > /proc/sys/vm/overcommit_memory 2>&1; \
              echo /tmp/evil > /sys/kernel/uevent_helper 2>&1; \
              echo /tmp/evil > /proc/sys/kernel/modprobe 2>&1; \
-             ls /sys/kernel 2>&1 | head -5; true",
+             ls /sys/kernel 2>&1 | head -5; \
+             grep -l evil /proc/sys/kernel/core_pattern /proc/sys/kernel/modprobe \
+               /sys/kernel/uevent_helper 2>/dev/null | sed 's/^/CHANGED /'; true",
         )
         .await;
     eprintln!("[{rt}] proc/sys writes: {}", out["stdout"]);
-    if gvisor {
-        let text = out["stdout"].as_str().unwrap();
-        assert!(!text.contains("kcore-readable"), "{out}");
-    }
+    // Not even the sandbox's own kernel takes them (a microVM's guest kernel would run the
+    // `|` core_pattern or modprobe program as root with every capability).
+    let text = out["stdout"].as_str().unwrap();
+    assert!(!text.contains("kcore-readable"), "{out}");
+    assert!(!text.contains("CHANGED"), "{out}");
     assert_eq!(host_settings(), settings, "a host kernel setting changed");
     v = h.next_victim("proc_sys_writes", v, &body).await;
 
@@ -1008,8 +1011,9 @@ async fn host_probes(rt: &'static str) {
         .contains("SPACE_HOSTILE_SECRET"));
     v = h.next_victim("server_env", v, &body).await;
 
-    // Crashing the sandbox's kernel (sysrq `c`; gVisor has no sysrq-trigger): the
-    // host's kernel is untouched, and the victim keeps working or fails with a reason.
+    // Crashing the sandbox's kernel (sysrq `c`, panic on oops): refused on both runtimes
+    // (gVisor has no sysrq-trigger; the microVM's agent made it and /proc/sys read-only),
+    // so the victim keeps working.
     let out = h
         .sh(
             &v,
@@ -1017,32 +1021,15 @@ async fn host_probes(rt: &'static str) {
         )
         .await;
     eprintln!("[{rt}] sysrq crash: {out}");
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(150);
-    loop {
-        let (_, sb) = h.s.get(&format!("/v1/sandboxes/{v}")).await;
-        if sb["state"] == "failed" {
-            assert!(sb["failure_reason"].is_string(), "{sb}");
-            eprintln!(
-                "[{rt}] the crashed sandbox failed: {}",
-                sb["failure_reason"]
-            );
-            break;
-        }
-        let (st, echo) = tokio::time::timeout(
-            Duration::from_secs(60),
-            h.try_cmd(&v, json!({"argv": ["echo", "ok"], "wait": true})),
-        )
-        .await
-        .unwrap_or((0, Value::Null));
-        if st == 201 && echo["stdout"] == "ok\n" {
-            break;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "after a kernel crash the sandbox neither works nor failed: {sb}"
-        );
-        tokio::time::sleep(Duration::from_secs(1)).await;
-    }
+    let (st, echo) = tokio::time::timeout(
+        Duration::from_secs(60),
+        h.try_cmd(&v, json!({"argv": ["echo", "ok"], "wait": true})),
+    )
+    .await
+    .unwrap_or((0, Value::Null));
+    assert_eq!((st, echo["stdout"].as_str()), (201, Some("ok\n")), "{echo}");
+    let (_, sb) = h.s.get(&format!("/v1/sandboxes/{v}")).await;
+    assert_eq!(sb["state"], "running", "{sb}");
     v = h.next_victim("guest_kernel_crash", v, &body).await;
 
     assert_eq!(host_settings(), settings, "a host kernel setting changed");
@@ -1628,11 +1615,11 @@ async fn api_abuse(rt: &'static str) {
         n,
         "a 5xx or hang: {answers:?}"
     );
-    assert!(
-        started.len() <= 64,
-        "{} commands running at once in one sandbox, past its limit of 64: concurrent creates \
-         race the check (it counts stored commands; a new one is stored after it)",
-        started.len()
+    // Exactly the limit: the check and the insert of each create are one step.
+    assert_eq!(
+        started.len(),
+        64,
+        "commands running at once in one sandbox whose limit is 64"
     );
     assert!(
         limited.iter().all(|v| v["error"]["message"]

@@ -31,12 +31,10 @@ pub async fn create(
     if let Err(r) = check_id(&id, "sb", "sandbox") {
         return r.into_response();
     }
-    if let Err(e) = st.tenancy.admit_command(&st.service, &tenant, &id) {
-        return super::HttpError(e).into_response();
-    }
+    let admit = || st.tenancy.admit_command(&st.service, &tenant, &id);
     respond_with(
         StatusCode::CREATED,
-        st.service.create_command(&id, req).await,
+        st.service.create_command_admitted(&id, req, admit).await,
     )
 }
 

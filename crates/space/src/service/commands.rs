@@ -85,6 +85,19 @@ impl Service {
         sandbox_id: &str,
         req: CreateCommandRequest,
     ) -> Result<Command, ServiceError> {
+        self.create_command_admitted(sandbox_id, req, || Ok(()))
+            .await
+    }
+
+    /// [`Self::create_command`], with `admit` (a limit check against the stored
+    /// commands) run under one server-wide lock together with storing the new
+    /// command: checks of concurrent creates see each other's commands.
+    pub async fn create_command_admitted(
+        &self,
+        sandbox_id: &str,
+        req: CreateCommandRequest,
+        admit: impl FnOnce() -> Result<(), ServiceError>,
+    ) -> Result<Command, ServiceError> {
         let argv = match (req.argv, req.shell) {
             (Some(argv), None) => argv,
             (None, Some(shell)) => vec!["/bin/sh".into(), "-c".into(), shell],
@@ -197,9 +210,15 @@ impl Service {
             inline_truncated: None,
         };
         let dir = self.command_dir(sandbox_id, &id);
-        let writer = OutputWriter::open(&dir, self.0.cfg.output_cap_bytes)
-            .map_err(|e| ServiceError::Internal(format!("creating output files: {e}")))?;
-        self.0.store.insert_command(&cmd)?;
+        let writer = {
+            // No await from the check to the insert: the lock is held across neither.
+            let _admission = lock(&self.0.command_admission);
+            admit()?;
+            let writer = OutputWriter::open(&dir, self.0.cfg.output_cap_bytes)
+                .map_err(|e| ServiceError::Internal(format!("creating output files: {e}")))?;
+            self.0.store.insert_command(&cmd)?;
+            writer
+        };
         let ch = self.register_command(sandbox_id, &id, writer.progress(), interactive);
 
         // Started in a task of its own: a client that hangs up mid-request must not

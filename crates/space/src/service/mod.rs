@@ -166,6 +166,9 @@ pub(crate) struct Inner {
     create_slots: Semaphore,
     /// Operations still pending, with the token that cancels them.
     pending_ops: Mutex<HashMap<String, CancellationToken>>,
+    /// Held from a command's admission check until its record is stored, so
+    /// concurrent creates cannot overshoot a command limit.
+    command_admission: Mutex<()>,
 }
 
 /// The service. Cheap to clone.
@@ -196,6 +199,7 @@ impl Service {
             activity: Mutex::new(HashMap::new()),
             create_slots: Semaphore::new(slots),
             pending_ops: Mutex::new(HashMap::new()),
+            command_admission: Mutex::new(()),
         }));
         svc.reconcile().await?;
         svc.remove_stale_build_containers().await;
