@@ -102,11 +102,45 @@ pub fn router(state: AppState) -> Router {
         .nest("/v1", v1)
         .fallback(not_found)
         .with_state(state)
+        .layer(middleware::from_fn(json_rejections))
         .layer(middleware::from_fn(log_request))
 }
 
 async fn not_found() -> Response {
     error(StatusCode::NOT_FOUND, "not_found", "no such endpoint")
+}
+
+/// Errors that axum's own extractors answer in plain text (a path segment that is not
+/// UTF-8, a WebSocket request without an upgrade, …) in our `{"error":{…}}` form too.
+async fn json_rejections(req: Request, next: Next) -> Response {
+    let resp = next.run(req).await;
+    let status = resp.status();
+    let plain = resp
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("text/plain"));
+    if !(status.is_client_error() || status.is_server_error()) || !plain {
+        return resp;
+    }
+    let text = match axum::body::to_bytes(resp.into_body(), 4096).await {
+        Ok(b) => String::from_utf8_lossy(&b).into_owned(),
+        Err(_) => String::new(),
+    };
+    let code = match status {
+        StatusCode::NOT_FOUND => "not_found",
+        StatusCode::METHOD_NOT_ALLOWED => "method_not_allowed",
+        StatusCode::PAYLOAD_TOO_LARGE => "body_too_large",
+        StatusCode::UNSUPPORTED_MEDIA_TYPE => "unsupported_media_type",
+        s if s.is_server_error() => "internal",
+        _ => "invalid_request",
+    };
+    let message = if text.trim().is_empty() {
+        status.canonical_reason().unwrap_or("error").to_string()
+    } else {
+        crate::service::truncate(text.trim(), 500).to_string()
+    };
+    error(status, code, message)
 }
 
 /// One structured log line per request.
