@@ -461,7 +461,11 @@ async fn nothing_of_the_host_or_the_agent_is_readable_inside(rt: &str) {
     for set in ["CapBnd", "CapEff"] {
         let bits = caps(out, set);
         assert_eq!(bits & !kept, 0, "{set} has more than the kept set: {out}");
-        assert_eq!(bits | net_raw, kept, "{set} lacks part of the kept set: {out}");
+        assert_eq!(
+            bits | net_raw,
+            kept,
+            "{set} lacks part of the kept set: {out}"
+        );
     }
     for cap in [CAP_CHOWN, CAP_SETUID] {
         assert_ne!(caps(out, "CapEff") & (1 << cap), 0, "{out}");
