@@ -120,4 +120,9 @@ pub trait Runtime: Send + Sync + 'static {
     fn disk_bytes(&self, _id: &str, _state_dir: &std::path::Path) -> Option<u64> {
         None
     }
+    /// Why a sandbox that stopped by itself stopped, when the runtime can tell
+    /// (asked before its remains are cleaned up).
+    fn stop_reason(&self, _id: &str) -> Option<String> {
+        None
+    }
 }

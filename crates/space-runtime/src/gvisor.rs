@@ -458,6 +458,32 @@ impl Runtime for GvisorRuntime {
         .await
     }
 
+    fn stop_reason(&self, id: &str) -> Option<String> {
+        // The host's memory cgroup of the sandbox counts the OOM kills in it: the Sentry
+        // holds the workload's memory (and the overlay's files), so a memory or inode
+        // bomb past `memory_mib` ends the whole sandbox there.
+        for root in ["/sys/fs/cgroup/memory", "/sys/fs/cgroup"] {
+            let dir = Path::new(root).join(CGROUP_PARENT).join(id);
+            let kills = std::fs::read_to_string(dir.join("memory.oom_control"))
+                .or_else(|_| std::fs::read_to_string(dir.join("memory.events")))
+                .ok()
+                .and_then(|t| {
+                    t.lines()
+                        .find_map(|l| l.strip_prefix("oom_kill "))
+                        .and_then(|n| n.trim().parse::<u64>().ok())
+                });
+            if kills.is_some_and(|n| n > 0) {
+                return Some(
+                    "out of memory: the sandbox used all of its memory_mib and the host ended \
+                     it (gVisor's kernel runs in that memory too, with what it keeps per file: \
+                     millions of files count there)"
+                        .into(),
+                );
+            }
+        }
+        None
+    }
+
     fn resident_bytes(&self, _id: &str, state_dir: &Path) -> Option<u64> {
         let bundle = format!("--bundle={}", state_dir.join("bundle").display());
         let roots = runsc_processes_matching(&bundle);

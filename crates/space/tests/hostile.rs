@@ -420,9 +420,14 @@ async fn resource_abuse(rt: &'static str) {
             "the command was lost but the sandbox works: {}",
             out.1
         );
-        eprintln!(
-            "FINDING [{rt}]: the memory bomb took the whole sandbox down: {}",
-            out.1["lost_reason"]
+        assert_eq!(rt, "gvisor", "a memory bomb took a microVM down: {}", out.1);
+        let (_, sb) = h.s.get(&format!("/v1/sandboxes/{v}")).await;
+        assert!(
+            sb["failure_reason"]
+                .as_str()
+                .unwrap_or_default()
+                .starts_with("out of memory"),
+            "the reason says what happened: {sb}"
         );
         h.s.destroy(&v).await;
         v = h.victim(body.clone()).await;
@@ -479,8 +484,14 @@ async fn resource_abuse(rt: &'static str) {
             !h.healthy("inode_exhaustion", Some(&v)).await,
             "the file bomb ended without an error and the sandbox works: {text}"
         );
-        eprintln!(
-            "FINDING [{rt}]: the inode bomb took the whole sandbox down (failed, with a reason)"
+        assert_eq!(rt, "gvisor", "an inode bomb took a microVM down: {text}");
+        let (_, sb) = h.s.get(&format!("/v1/sandboxes/{v}")).await;
+        assert!(
+            sb["failure_reason"]
+                .as_str()
+                .unwrap_or_default()
+                .starts_with("out of memory"),
+            "the reason says what happened: {sb}"
         );
         h.s.destroy(&v).await;
         v = h.victim(body.clone()).await;

@@ -592,13 +592,18 @@ impl Service {
                     break;
                 }
                 let reason = match self.rt(&handle.id).status(&handle.id).await {
-                    Ok(RuntimeStatus::Stopped) | Ok(RuntimeStatus::Missing) => {
-                        Some("the sandbox stopped unexpectedly (its kernel or agent exited)")
-                    }
+                    Ok(RuntimeStatus::Stopped) | Ok(RuntimeStatus::Missing) => Some(
+                        self.rt(&handle.id)
+                            .stop_reason(&handle.id)
+                            .unwrap_or_else(|| {
+                                "the sandbox stopped unexpectedly (its kernel or agent exited)"
+                                    .into()
+                            }),
+                    ),
                     // A paused sandbox's agent cannot dial in; that is fine.
                     Ok(RuntimeStatus::Paused) => None,
                     _ if start.elapsed() > READOPT_TIMEOUT => {
-                        Some("the sandbox's agent did not connect in time")
+                        Some("the sandbox's agent did not connect in time".to_string())
                     }
                     _ => None,
                 };
@@ -615,8 +620,8 @@ impl Service {
                         continue;
                     }
                     if live && !handle.closed.is_cancelled() {
-                        tracing::warn!(sandbox = %handle.id, reason, "sandbox failed");
-                        self.fail_sandbox(&handle, reason).await;
+                        tracing::warn!(sandbox = %handle.id, %reason, "sandbox failed");
+                        self.fail_sandbox(&handle, &reason).await;
                     }
                     return;
                 }
