@@ -414,7 +414,7 @@ async fn nothing_of_the_host_or_the_agent_is_readable_inside(rt: &str) {
         probe.push_str(
             "ls /sys/firmware/qemu_fw_cfg >/dev/null 2>&1 && echo 'fw_cfg in sysfs'; \
              for f in /dev/mem /dev/port /proc/kcore; do \
-               dd if=$f of=/dev/null bs=1 count=1 2>/dev/null && echo \"read $f\"; done; \
+               [ \"$(dd if=$f bs=1 count=1 2>/dev/null | wc -c)\" -gt 0 ] && echo \"read $f\"; done; \
              for f in /proc/1/environ /proc/1/maps /proc/1/auxv; do \
                (exec 3<$f) 2>/dev/null && echo \"opened $f\"; done; \
              for fd in /proc/1/fd/*; do \

@@ -349,7 +349,17 @@ async fn templates_belong_to_the_tenant_that_built_them() {
     let s = TestServer::start().await;
     let acme = new_key(&s, "acme");
     let beta = new_key(&s, "beta");
-    let recipe = json!({"name": "acme-tools", "base": "busybox",
+    // The template cache is shared by every test server: a name of this run only.
+    let name = format!(
+        "acme-tools-{}",
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos()
+            % 1_000_000_000
+    );
+    let name = name.as_str();
+    let recipe = json!({"name": name, "base": "busybox",
         "files": [{"path": "/etc/acme", "content": "acme\n"}]});
     let r = call(
         &s,
@@ -394,49 +404,61 @@ async fn templates_belong_to_the_tenant_that_built_them() {
     };
     let seen_by_acme = names(call(&s, &acme, Method::GET, "/v1/templates", None).await);
     assert!(
-        seen_by_acme.contains(&"acme-tools".to_string())
-            && seen_by_acme.contains(&"busybox".to_string())
+        seen_by_acme.contains(&name.to_string()) && seen_by_acme.contains(&"busybox".to_string())
     );
     let seen_by_beta = names(call(&s, &beta, Method::GET, "/v1/templates", None).await);
     assert!(
-        !seen_by_beta.contains(&"acme-tools".to_string())
-            && seen_by_beta.contains(&"busybox".to_string())
+        !seen_by_beta.contains(&name.to_string()) && seen_by_beta.contains(&"busybox".to_string())
     );
 
     // beta can neither use, build on, delete nor take over the name.
-    let r = create_as(&s, &beta, json!({"template": "acme-tools"})).await;
+    let r = create_as(&s, &beta, json!({"template": name})).await;
     assert_eq!(r.status, 404, "{}", r.body);
     let r = call(
         &s,
         &beta,
         Method::POST,
         "/v1/templates",
-        Some(json!({"name": "beta-tools", "base": "template:acme-tools"})),
+        Some(json!({"name": format!("{name}-b"), "base": format!("template:{name}")})),
     )
     .await;
     assert_eq!(r.status, 400, "{}", r.body);
-    let r = call(&s, &beta, Method::DELETE, "/v1/templates/acme-tools", None).await;
+    let r = call(
+        &s,
+        &beta,
+        Method::DELETE,
+        &format!("/v1/templates/{name}"),
+        None,
+    )
+    .await;
     assert_eq!(r.status, 404, "{}", r.body);
     let r = call(
         &s,
         &beta,
         Method::POST,
         "/v1/templates",
-        Some(json!({"name": "acme-tools", "base": "busybox"})),
+        Some(json!({"name": name, "base": "busybox"})),
     )
     .await;
     assert_eq!(r.status, 409, "{}", r.body);
     assert!(beta_sees_no_sandboxes(&s, &beta).await);
 
     // acme deletes it; then the name is free for anyone.
-    let r = call(&s, &acme, Method::DELETE, "/v1/templates/acme-tools", None).await;
+    let r = call(
+        &s,
+        &acme,
+        Method::DELETE,
+        &format!("/v1/templates/{name}"),
+        None,
+    )
+    .await;
     assert_eq!(r.status, 204, "{}", r.body);
     let r = call(
         &s,
         &beta,
         Method::POST,
         "/v1/templates",
-        Some(json!({"name": "acme-tools", "base": "busybox"})),
+        Some(json!({"name": name, "base": "busybox"})),
     )
     .await;
     assert_eq!(r.status, 202, "{}", r.body);
@@ -452,10 +474,19 @@ async fn templates_belong_to_the_tenant_that_built_them() {
     assert_eq!(done.body["status"], "succeeded", "{}", done.body);
     assert!(
         !names(call(&s, &acme, Method::GET, "/v1/templates", None).await)
-            .contains(&"acme-tools".to_string())
+            .contains(&name.to_string())
     );
+    // Nothing of this test stays in the shared cache.
+    let r = call(
+        &s,
+        &beta,
+        Method::DELETE,
+        &format!("/v1/templates/{name}"),
+        None,
+    )
+    .await;
+    assert_eq!(r.status, 204, "{}", r.body);
 }
-
 async fn beta_sees_no_sandboxes(s: &TestServer, key: &str) -> bool {
     call(s, key, Method::GET, "/v1/sandboxes", None).await.body["sandboxes"]
         .as_array()
