@@ -41,7 +41,7 @@ fi
 
 missing=()
 for pkg in mmdebstrap busybox-static ca-certificates util-linux mount e2fsprogs tmux \
-  iptables iproute2 procps; do
+  iptables iproute2 procps python3 python3-venv; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'install ok installed' || missing+=("$pkg")
 done
 if [ "${#missing[@]}" -gt 0 ]; then

@@ -202,7 +202,17 @@ where
     let mut backoff = BACKOFF_MIN;
     let mut quiet = false;
     loop {
-        let mut stream = match dial().await {
+        // A connect that never completes (a host socket whose other side is stuck) must
+        // not stop the dialling either.
+        let dialled = tokio::time::timeout(HANDSHAKE_TIMEOUT, dial())
+            .await
+            .unwrap_or_else(|_| {
+                Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    "connecting timed out",
+                ))
+            });
+        let mut stream = match dialled {
             Ok(s) => s,
             Err(e) => {
                 if !quiet {

@@ -511,3 +511,48 @@ async fn a_stuck_operation_times_out_and_destroy_still_works() {
     );
     s.destroy(&sb).await;
 }
+
+/// A restored sandbox whose agent never dials back in (seen rarely under load on
+/// gVisor) is stopped and restored from the same snapshot once more: the resume
+/// succeeds, with the sandbox's processes and files as they were at the suspend.
+#[tokio::test]
+async fn a_restore_whose_agent_never_dials_in_is_restored_again() {
+    let mut s = TestServer::start().await;
+    s.kill9();
+    s.env = vec![(
+        "SPACE_FAILPOINT".into(),
+        "resume:first_agent_never_dials".into(),
+    )];
+    s.restart();
+    let sb = s.create("busybox").await;
+    s.sh(
+        &sb,
+        "echo kept > /tmp/marker; (while :; do sleep 1; done) >/dev/null 2>&1 & echo $! > /tmp/loop.pid",
+    )
+    .await;
+    op_ok(
+        &s,
+        s.post(&format!("/v1/sandboxes/{sb}/suspend"), json!({}))
+            .await,
+    )
+    .await;
+    op_ok(
+        &s,
+        s.post(&format!("/v1/sandboxes/{sb}/resume"), json!({}))
+            .await,
+    )
+    .await;
+    assert!(
+        s.log().contains("restoring the snapshot again"),
+        "the second restore did not happen"
+    );
+    let out = s
+        .sh(
+            &sb,
+            "cat /tmp/marker; kill -0 $(cat /tmp/loop.pid) && echo loop-alive",
+        )
+        .await;
+    assert_eq!(out["stdout"], "kept\nloop-alive\n", "{out}");
+    s.destroy(&sb).await;
+    s.assert_nothing_left(&sb);
+}

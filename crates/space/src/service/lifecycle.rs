@@ -14,14 +14,16 @@ use space_core::{now_rfc3339, transition, SandboxEvent};
 use tokio_util::sync::CancellationToken;
 
 use super::{
-    agent, error_chain, failpoint, failpoint_hang, internal, lock, new_operation, Result,
-    SandboxHandle, Service, ServiceError,
+    agent, error_chain, failpoint, failpoint_active, failpoint_hang, internal, lock, new_operation,
+    Result, SandboxHandle, Service, ServiceError,
 };
 
 /// How long the agent may take to drop its connection before a checkpoint.
 const QUIESCE_TIMEOUT: Duration = Duration::from_secs(10);
-/// How long a restored sandbox's agent may take to dial back in.
-const RESTORE_CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a restored sandbox's agent may take to dial back in, per attempt.
+const RESTORE_CONNECT_TIMEOUT: Duration = Duration::from_secs(20);
+/// Restores of one resume before it fails (the snapshot is kept either way).
+const RESTORE_ATTEMPTS: u32 = 2;
 /// How long a restored agent gets before the server listens on a fresh socket for it.
 const RESTORE_RELISTEN_EVERY: Duration = Duration::from_secs(5);
 
@@ -283,48 +285,67 @@ impl Service {
             op.progress = Some("restoring the snapshot".into())
         })
         .map_err(internal)?;
-        self.start_listener(handle, &rec)
-            .map_err(|e| ApiError::new("internal", format!("listening for the agent: {e}")))?;
         let image = self.snapshot_dir(id);
-        let restored = self
-            .rt(id)
-            .restore(id, &self.sandbox_dir(id), &image)
-            .await
-            .map_err(|e| runtime_failed(&e));
-        failpoint("resume:after_restore");
-        let connected = match restored {
-            Ok(()) => {
+        // Seen rarely under load on gVisor: a restored agent that never dials back in (it
+        // connected once and closed before its hello, then nothing, even on a fresh
+        // socket). The snapshot is untouched by a restore, so the sandbox is stopped and
+        // restored from it once more; each attempt gets its share of the deadline.
+        let mut connected = Err(ApiError::new(
+            "agent_timeout",
+            "the restored sandbox's agent did not connect in time",
+        ));
+        for attempt in 1..=RESTORE_ATTEMPTS {
+            if attempt > 1 {
+                tracing::warn!(sandbox = %id, attempt, "the restored agent never dialled in; stopping the sandbox and restoring the snapshot again");
+                let _ = self.rt(id).stop(id, &self.sandbox_dir(id)).await;
+                handle.drop_connection();
                 self.update_op(op_id, |op| {
-                    op.progress = Some("waiting for the agent".into())
+                    op.progress = Some(format!("restoring the snapshot (attempt {attempt})"))
                 })
                 .map_err(internal)?;
-                // Seen rarely under load on gVisor: the restored agent's dials stop reaching
-                // the listener. A fresh socket (bound anew, renamed over the old path) every
-                // few seconds gives it a new one to find.
-                let mut rx = handle.agent.subscribe();
-                let deadline = tokio::time::Instant::now() + RESTORE_CONNECT_TIMEOUT;
-                let mut connected = Err(ApiError::new(
-                    "agent_timeout",
-                    "the restored sandbox's agent did not connect in time",
-                ));
-                while tokio::time::Instant::now() < deadline {
-                    let left = deadline - tokio::time::Instant::now();
-                    if agent::wait_connected(&mut rx, left.min(RESTORE_RELISTEN_EVERY))
-                        .await
-                        .is_ok()
-                    {
-                        connected = Ok(());
-                        break;
-                    }
-                    tracing::warn!(sandbox = %id, "the restored agent has not dialled in yet; listening on a fresh socket");
-                    if let Err(e) = self.start_listener(handle, &rec) {
-                        tracing::warn!(sandbox = %id, error = %e, "cannot listen again");
-                    }
-                }
-                connected
             }
-            Err(e) => Err(e),
-        };
+            self.start_listener(handle, &rec)
+                .map_err(|e| ApiError::new("internal", format!("listening for the agent: {e}")))?;
+            let restored = self
+                .rt(id)
+                .restore(id, &self.sandbox_dir(id), &image)
+                .await
+                .map_err(|e| runtime_failed(&e));
+            failpoint("resume:after_restore");
+            if let Err(e) = restored {
+                connected = Err(e);
+                break;
+            }
+            self.update_op(op_id, |op| {
+                op.progress = Some("waiting for the agent".into())
+            })
+            .map_err(internal)?;
+            if attempt == 1 && failpoint_active("resume:first_agent_never_dials") {
+                tracing::warn!(sandbox = %id, "failpoint: taking the first restore's agent as never dialling in");
+                continue;
+            }
+            // A fresh socket (bound anew, renamed over the old path) every few seconds,
+            // in case the agent's dials stop reaching the listener.
+            let mut rx = handle.agent.subscribe();
+            let deadline = tokio::time::Instant::now() + RESTORE_CONNECT_TIMEOUT;
+            while tokio::time::Instant::now() < deadline {
+                let left = deadline - tokio::time::Instant::now();
+                if agent::wait_connected(&mut rx, left.min(RESTORE_RELISTEN_EVERY))
+                    .await
+                    .is_ok()
+                {
+                    connected = Ok(());
+                    break;
+                }
+                tracing::warn!(sandbox = %id, "the restored agent has not dialled in yet; listening on a fresh socket");
+                if let Err(e) = self.start_listener(handle, &rec) {
+                    tracing::warn!(sandbox = %id, error = %e, "cannot listen again");
+                }
+            }
+            if connected.is_ok() {
+                break;
+            }
+        }
         if let Err(e) = connected {
             // The snapshot is untouched: go back to `suspended` so the resume can be retried.
             handle.stop_listener();

@@ -757,6 +757,11 @@ pub(crate) fn failpoint(name: &str) {
     }
 }
 
+/// Test hook: whether `SPACE_FAILPOINT=<name>` is set (for failpoints that change a path).
+pub(crate) fn failpoint_active(name: &str) -> bool {
+    std::env::var("SPACE_FAILPOINT").is_ok_and(|v| v == name)
+}
+
 /// Test hook: with `SPACE_FAILPOINT=<name>` the operation hangs here forever,
 /// so tests can see a stuck operation reach its deadline.
 pub(crate) async fn failpoint_hang(name: &str) {
