@@ -16,25 +16,7 @@ use serde_json::{json, Value};
 /// The server, or `None` (with the reason printed) when `runtime` is not available here.
 async fn server(runtime: &str) -> Option<TestServer> {
     let s = TestServer::start().await;
-    let (st, v) = s.get("/v1/runtimes").await;
-    assert_eq!(st, 200, "{v}");
-    let entry = v["runtimes"]
-        .as_array()
-        .and_then(|a| a.iter().find(|r| r["name"] == runtime).cloned())
-        .unwrap_or_else(|| panic!("no runtime {runtime} in {v}"));
-    if entry["available"] == true {
-        return Some(s);
-    }
-    let required = std::env::var("SPACE_TEST_REQUIRE_RUNTIMES").unwrap_or_default();
-    assert!(
-        !required.split(',').any(|r| r == runtime),
-        "runtime {runtime} is required but unavailable: {entry}"
-    );
-    eprintln!(
-        "skipping: runtime {runtime} is unavailable here: {}",
-        entry["reason"]
-    );
-    None
+    s.runtime_available(runtime).await.then_some(s)
 }
 
 async fn create(s: &TestServer, runtime: &str, mut body: Value) -> String {

@@ -79,22 +79,7 @@ impl Drop for Hostile {
 /// `None` when `rt` is unavailable here.
 async fn setup(rt: &'static str, extra: &[&str]) -> Option<Hostile> {
     let mut s = TestServer::start_with(extra).await;
-    let (st, v) = s.get("/v1/runtimes").await;
-    assert_eq!(st, 200, "{v}");
-    let entry = v["runtimes"]
-        .as_array()
-        .and_then(|a| a.iter().find(|r| r["name"] == rt).cloned())
-        .unwrap_or_else(|| panic!("no runtime {rt} in {v}"));
-    if entry["available"] != true {
-        let required = std::env::var("SPACE_TEST_REQUIRE_RUNTIMES").unwrap_or_default();
-        assert!(
-            !required.split(',').any(|r| r == rt),
-            "runtime {rt} is required but unavailable: {entry}"
-        );
-        eprintln!(
-            "skipping: runtime {rt} is unavailable here: {}",
-            entry["reason"]
-        );
+    if !s.runtime_available(rt).await {
         return None;
     }
     let marker = format!("spacehostile{}", random_hex());

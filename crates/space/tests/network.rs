@@ -190,25 +190,7 @@ impl Drop for Inet {
 async fn server(runtime: &str, inet: &Inet) -> Option<TestServer> {
     let hosts = inet.hosts_file.path().to_string_lossy().into_owned();
     let s = TestServer::start_with_env(&[], &[(net::HOSTS_FILE_ENV, &hosts)]).await;
-    let (st, v) = s.get("/v1/runtimes").await;
-    assert_eq!(st, 200, "{v}");
-    let entry = v["runtimes"]
-        .as_array()
-        .and_then(|a| a.iter().find(|r| r["name"] == runtime).cloned())
-        .unwrap_or_else(|| panic!("no runtime {runtime} in {v}"));
-    if entry["available"] == true {
-        return Some(s);
-    }
-    let required = std::env::var("SPACE_TEST_REQUIRE_RUNTIMES").unwrap_or_default();
-    assert!(
-        !required.split(',').any(|r| r == runtime),
-        "runtime {runtime} is required but unavailable: {entry}"
-    );
-    eprintln!(
-        "skipping: runtime {runtime} is unavailable here: {}",
-        entry["reason"]
-    );
-    None
+    s.runtime_available(runtime).await.then_some(s)
 }
 
 /// Removes the network objects of sandboxes a failed test leaves behind.

@@ -25,22 +25,7 @@ use serde_json::{json, Value};
 /// The server (with `marker` in its environment), or `None` when `runtime` is unavailable.
 async fn server(runtime: &str, marker: &str) -> Option<TestServer> {
     let mut s = TestServer::start().await;
-    let (st, v) = s.get("/v1/runtimes").await;
-    assert_eq!(st, 200, "{v}");
-    let entry = v["runtimes"]
-        .as_array()
-        .and_then(|a| a.iter().find(|r| r["name"] == runtime).cloned())
-        .unwrap_or_else(|| panic!("no runtime {runtime} in {v}"));
-    if entry["available"] != true {
-        let required = std::env::var("SPACE_TEST_REQUIRE_RUNTIMES").unwrap_or_default();
-        assert!(
-            !required.split(',').any(|r| r == runtime),
-            "runtime {runtime} is required but unavailable: {entry}"
-        );
-        eprintln!(
-            "skipping: runtime {runtime} is unavailable here: {}",
-            entry["reason"]
-        );
+    if !s.runtime_available(runtime).await {
         return None;
     }
     s.env

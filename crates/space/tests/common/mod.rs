@@ -241,6 +241,30 @@ impl TestServer {
         self.call(reqwest::Method::DELETE, path, None).await
     }
 
+    /// Whether this server offers `runtime`. When it does not, the reason is printed, and
+    /// the test fails instead if `SPACE_TEST_REQUIRE_RUNTIMES` names the runtime.
+    pub async fn runtime_available(&self, runtime: &str) -> bool {
+        let (st, v) = self.get("/v1/runtimes").await;
+        assert_eq!(st, 200, "{v}");
+        let entry = v["runtimes"]
+            .as_array()
+            .and_then(|a| a.iter().find(|r| r["name"] == runtime).cloned())
+            .unwrap_or_else(|| panic!("no runtime {runtime} in {v}"));
+        if entry["available"] == true {
+            return true;
+        }
+        let required = std::env::var("SPACE_TEST_REQUIRE_RUNTIMES").unwrap_or_default();
+        assert!(
+            !required.split(',').any(|r| r == runtime),
+            "runtime {runtime} is required but unavailable: {entry}"
+        );
+        eprintln!(
+            "skipping: runtime {runtime} is unavailable here: {}",
+            entry["reason"]
+        );
+        false
+    }
+
     /// Waits for an operation to end and returns it.
     pub async fn wait_op(&self, op_id: &str) -> Value {
         for _ in 0..40 {
