@@ -303,6 +303,9 @@ pub struct Operation {
     pub kind: OperationKind,
     pub status: OperationStatus,
     pub sandbox_id: Option<String>,
+    /// The tenant the operation belongs to (its sandbox's, or a build's builder).
+    #[serde(default = "default_tenant")]
+    pub tenant: String,
     /// The template a `build` operation builds (`null` for other kinds).
     #[serde(default)]
     pub template: Option<String>,

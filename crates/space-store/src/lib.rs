@@ -101,6 +101,30 @@ const MIGRATIONS: &[&str] = &[
         name TEXT PRIMARY KEY,
         tenant TEXT NOT NULL
     );",
+    // 4: the tenant as a column of every object and event, so that every list, count
+    // and event stream is filtered in SQL and costs only the caller's own rows.
+    "ALTER TABLE sandboxes ADD COLUMN tenant TEXT NOT NULL DEFAULT 'default';
+    UPDATE sandboxes SET tenant = COALESCE(json_extract(doc, '$.sandbox.tenant'), 'default');
+    CREATE INDEX sandboxes_tenant ON sandboxes(tenant, created_at);
+    ALTER TABLE operations ADD COLUMN tenant TEXT NOT NULL DEFAULT 'default';
+    UPDATE operations SET tenant = COALESCE(
+        (SELECT s.tenant FROM sandboxes s WHERE s.id = operations.sandbox_id),
+        (SELECT o.tenant FROM template_owners o WHERE o.name = json_extract(operations.doc, '$.template')),
+        'default');
+    CREATE INDEX operations_tenant ON operations(tenant, created_at);
+    CREATE INDEX operations_tenant_kind ON operations(tenant, kind, status);
+    ALTER TABLE commands ADD COLUMN tenant TEXT NOT NULL DEFAULT 'default';
+    UPDATE commands SET tenant = COALESCE(
+        (SELECT s.tenant FROM sandboxes s WHERE s.id = commands.sandbox_id), 'default');
+    CREATE INDEX commands_tenant_state ON commands(tenant, state);
+    CREATE INDEX commands_sandbox_state ON commands(sandbox_id, state);
+    ALTER TABLE events ADD COLUMN tenant TEXT NOT NULL DEFAULT 'default';
+    UPDATE events SET tenant = COALESCE(
+        CASE kind WHEN 'sandbox' THEN json_extract(doc, '$.tenant') END,
+        (SELECT s.tenant FROM sandboxes s WHERE s.id = json_extract(events.doc, '$.sandbox_id')),
+        (SELECT o.tenant FROM template_owners o WHERE o.name = json_extract(events.doc, '$.template')),
+        'default');
+    CREATE INDEX events_tenant ON events(tenant, id);",
 ];
 
 /// The store. Cheap calls; hold no lock across an `.await`.
@@ -159,15 +183,21 @@ impl Store {
         }
     }
 
-    /// Events with an id above `after`, oldest first, at most `limit`.
-    pub fn events_after(&self, after: i64, limit: usize) -> Result<Vec<Event>, StoreError> {
+    /// Events of `tenant` with an id above `after`, oldest first, at most `limit`.
+    pub fn events_after(
+        &self,
+        tenant: &str,
+        after: i64,
+        limit: usize,
+    ) -> Result<Vec<Event>, StoreError> {
         let conn = self.conn();
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
         let rows: Vec<(i64, String, String, String)> = conn
-            .prepare(
-                "SELECT id, kind, created_at, doc FROM events WHERE id > ?1 ORDER BY id LIMIT ?2",
+            .prepare_cached(
+                "SELECT id, kind, created_at, doc FROM events
+                 WHERE tenant = ?1 AND id > ?2 ORDER BY id LIMIT ?3",
             )?
-            .query_map(params![after, limit], |r| {
+            .query_map(params![tenant, after, limit], |r| {
                 Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?))
             })?
             .collect::<Result<_, _>>()?;
@@ -214,17 +244,19 @@ impl Store {
         let mut conn = self.conn();
         let tx = conn.transaction()?;
         tx.execute(
-            "INSERT INTO sandboxes (id, state, created_at, doc) VALUES (?1, ?2, ?3, ?4)",
+            "INSERT INTO sandboxes (id, tenant, state, created_at, doc)
+             VALUES (?1, ?2, ?3, ?4, ?5)",
             params![
                 rec.sandbox.id,
+                rec.sandbox.tenant,
                 rec.sandbox.state.as_str(),
                 rec.sandbox.created_at,
                 serde_json::to_string(rec)?
             ],
         )?;
         insert_op(&tx, op)?;
-        event(&tx, "sandbox", &rec.sandbox.id, &rec.sandbox)?;
-        let id = event(&tx, "operation", &op.id, op)?;
+        sandbox_event(&tx, rec)?;
+        let id = op_event(&tx, op)?;
         tx.commit()?;
         self.published(Some(id));
         Ok(())
@@ -241,19 +273,64 @@ impl Store {
                 serde_json::to_string(rec)?
             ],
         )?;
-        let id = event(&tx, "sandbox", &rec.sandbox.id, &rec.sandbox)?;
+        let id = sandbox_event(&tx, rec)?;
         tx.commit()?;
         self.published(Some(id));
         Ok(())
     }
 
-    /// Updates a sandbox without an event (bookkeeping such as activity times).
-    pub fn touch_sandbox(&self, rec: &SandboxRecord) -> Result<(), StoreError> {
-        self.conn().execute(
-            "UPDATE sandboxes SET doc = ?2 WHERE id = ?1",
-            params![rec.sandbox.id, serde_json::to_string(rec)?],
-        )?;
-        Ok(())
+    /// Sets a sandbox's activity time (and, for a keepalive, its expiry and TTL) in place,
+    /// without reading and writing back the whole document, so it can never undo a state
+    /// change made meanwhile. Nothing is set on a sandbox that is being destroyed, is
+    /// destroyed or failed; `false` then. With `event`, the sandbox as it now is becomes
+    /// an event.
+    pub fn set_sandbox_times(
+        &self,
+        id: &str,
+        last_active_at: &str,
+        expiry: Option<(&str, u64)>,
+        event: bool,
+    ) -> Result<bool, StoreError> {
+        let mut conn = self.conn();
+        let tx = conn.transaction()?;
+        let live = "state NOT IN ('destroying', 'destroyed', 'failed')";
+        let n = match expiry {
+            None => tx.execute(
+                &format!(
+                    "UPDATE sandboxes SET doc = json_set(doc, '$.sandbox.last_active_at', ?2)
+                     WHERE id = ?1 AND {live}"
+                ),
+                params![id, last_active_at],
+            )?,
+            Some((expires_at, ttl)) => tx.execute(
+                &format!(
+                    "UPDATE sandboxes SET doc = json_set(doc,
+                         '$.sandbox.last_active_at', ?2,
+                         '$.sandbox.expires_at', ?3,
+                         '$.sandbox.ttl_seconds', ?4,
+                         '$.sandbox.updated_at', ?2)
+                     WHERE id = ?1 AND {live}"
+                ),
+                params![
+                    id,
+                    last_active_at,
+                    expires_at,
+                    i64::try_from(ttl).unwrap_or(i64::MAX)
+                ],
+            )?,
+        };
+        let mut published = None;
+        if n == 1 && event {
+            let doc: String =
+                tx.query_row("SELECT doc FROM sandboxes WHERE id = ?1", [id], |r| {
+                    r.get(0)
+                })?;
+            let rec: SandboxRecord = serde_json::from_str(&doc)?;
+            published = Some(sandbox_event(&tx, &rec)?);
+        }
+        tx.commit()?;
+        self.published(published);
+        Ok(n == 1)
     }
 
     /// Updates a sandbox and an operation in one transaction.
@@ -273,8 +350,8 @@ impl Store {
             ],
         )?;
         upsert_op(&tx, op)?;
-        event(&tx, "sandbox", &rec.sandbox.id, &rec.sandbox)?;
-        let id = event(&tx, "operation", &op.id, op)?;
+        sandbox_event(&tx, rec)?;
+        let id = op_event(&tx, op)?;
         tx.commit()?;
         self.published(Some(id));
         Ok(())
@@ -290,10 +367,10 @@ impl Store {
         Ok(doc.map(|d| serde_json::from_str(&d)).transpose()?)
     }
 
-    /// Every sandbox, oldest first.
+    /// Every sandbox, oldest first (server-side policies and reconcile).
     pub fn list_sandboxes(&self) -> Result<Vec<SandboxRecord>, StoreError> {
         let conn = self.conn();
-        let mut stmt = conn.prepare("SELECT doc FROM sandboxes ORDER BY created_at, id")?;
+        let mut stmt = conn.prepare_cached("SELECT doc FROM sandboxes ORDER BY created_at, id")?;
         let docs = stmt
             .query_map([], |r| r.get::<_, String>(0))?
             .collect::<Result<Vec<_>, _>>()?;
@@ -302,13 +379,38 @@ impl Store {
             .collect()
     }
 
+    /// The sandboxes of one tenant, oldest first.
+    pub fn list_tenant_sandboxes(&self, tenant: &str) -> Result<Vec<SandboxRecord>, StoreError> {
+        let conn = self.conn();
+        let mut stmt = conn.prepare_cached(
+            "SELECT doc FROM sandboxes WHERE tenant = ?1 ORDER BY created_at, id",
+        )?;
+        let docs = stmt
+            .query_map([tenant], |r| r.get::<_, String>(0))?
+            .collect::<Result<Vec<_>, _>>()?;
+        docs.iter()
+            .map(|d| serde_json::from_str(d).map_err(StoreError::from))
+            .collect()
+    }
+
+    /// How many sandboxes of `tenant` are not destroyed (failed ones count: they hold
+    /// records and output until they are destroyed or purged).
+    pub fn count_tenant_sandboxes(&self, tenant: &str) -> Result<u64, StoreError> {
+        let n: i64 = self.conn().query_row(
+            "SELECT COUNT(*) FROM sandboxes WHERE tenant = ?1 AND state != 'destroyed'",
+            [tenant],
+            |r| r.get(0),
+        )?;
+        Ok(n as u64)
+    }
+
     // ---- operations ----
 
     pub fn insert_operation(&self, op: &Operation) -> Result<(), StoreError> {
         let mut conn = self.conn();
         let tx = conn.transaction()?;
         insert_op(&tx, op)?;
-        let id = event(&tx, "operation", &op.id, op)?;
+        let id = op_event(&tx, op)?;
         tx.commit()?;
         self.published(Some(id));
         Ok(())
@@ -318,70 +420,77 @@ impl Store {
         let mut conn = self.conn();
         let tx = conn.transaction()?;
         upsert_op(&tx, op)?;
-        let id = event(&tx, "operation", &op.id, op)?;
+        let id = op_event(&tx, op)?;
         tx.commit()?;
         self.published(Some(id));
         Ok(())
     }
 
     pub fn get_operation(&self, id: &str) -> Result<Option<Operation>, StoreError> {
-        let doc: Option<String> = self
+        let row: Option<(String, String)> = self
             .conn()
-            .query_row("SELECT doc FROM operations WHERE id = ?1", [id], |r| {
-                r.get(0)
-            })
+            .prepare_cached("SELECT tenant, doc FROM operations WHERE id = ?1")?
+            .query_row([id], |r| Ok((r.get(0)?, r.get(1)?)))
             .optional()?;
-        Ok(doc.map(|d| serde_json::from_str(&d)).transpose()?)
+        row.map(operation_from_row).transpose()
     }
 
-    /// Operations newest first, optionally of one sandbox, at most `limit`.
+    /// Operations of `tenant` newest first, optionally of one sandbox, at most `limit`.
     pub fn list_operations(
         &self,
+        tenant: &str,
         sandbox_id: Option<&str>,
         limit: usize,
     ) -> Result<Vec<Operation>, StoreError> {
         let conn = self.conn();
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-        let docs: Vec<String> = match sandbox_id {
-            Some(sb) => conn
-                .prepare(
-                    "SELECT doc FROM operations WHERE sandbox_id = ?1
-                     ORDER BY created_at DESC, id DESC LIMIT ?2",
-                )?
-                .query_map(params![sb, limit], |r| r.get(0))?
-                .collect::<Result<_, _>>()?,
-            None => conn
-                .prepare("SELECT doc FROM operations ORDER BY created_at DESC, id DESC LIMIT ?1")?
-                .query_map(params![limit], |r| r.get(0))?
-                .collect::<Result<_, _>>()?,
-        };
-        docs.iter()
-            .map(|d| serde_json::from_str(d).map_err(StoreError::from))
-            .collect()
+        let rows: Vec<(String, String)> = conn
+            .prepare_cached(
+                "SELECT tenant, doc FROM operations
+                 WHERE tenant = ?1 AND (?2 IS NULL OR sandbox_id = ?2)
+                 ORDER BY created_at DESC, id DESC LIMIT ?3",
+            )?
+            .query_map(params![tenant, sandbox_id, limit], |r| {
+                Ok((r.get(0)?, r.get(1)?))
+            })?
+            .collect::<Result<_, _>>()?;
+        rows.into_iter().map(operation_from_row).collect()
+    }
+
+    /// Build operations of `tenant` that have not ended.
+    pub fn count_unfinished_builds(&self, tenant: &str) -> Result<u64, StoreError> {
+        let n: i64 = self.conn().query_row(
+            "SELECT COUNT(*) FROM operations
+             WHERE tenant = ?1 AND kind = 'build' AND status IN ('pending', 'running')",
+            [tenant],
+            |r| r.get(0),
+        )?;
+        Ok(n as u64)
     }
 
     /// Operations that have not ended, oldest first.
     pub fn unfinished_operations(&self) -> Result<Vec<Operation>, StoreError> {
         let conn = self.conn();
-        let docs: Vec<String> = conn
-            .prepare(
-                "SELECT doc FROM operations WHERE status IN ('pending', 'running')
+        let rows: Vec<(String, String)> = conn
+            .prepare_cached(
+                "SELECT tenant, doc FROM operations WHERE status IN ('pending', 'running')
                  ORDER BY created_at, id",
             )?
-            .query_map([], |r| r.get(0))?
+            .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?
             .collect::<Result<_, _>>()?;
-        docs.iter()
-            .map(|d| serde_json::from_str(d).map_err(StoreError::from))
-            .collect()
+        rows.into_iter().map(operation_from_row).collect()
     }
 
     // ---- commands ----
 
-    pub fn insert_command(&self, cmd: &Command) -> Result<(), StoreError> {
+    /// Stores a new command of a sandbox of `tenant`.
+    pub fn insert_command(&self, tenant: &str, cmd: &Command) -> Result<(), StoreError> {
         self.conn().execute(
-            "INSERT INTO commands (id, sandbox_id, state, created_at, doc) VALUES (?1, ?2, ?3, ?4, ?5)",
+            "INSERT INTO commands (id, tenant, sandbox_id, state, created_at, doc)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
             params![
                 cmd.id,
+                tenant,
                 cmd.sandbox_id,
                 cmd.state.as_str(),
                 cmd.created_at,
@@ -431,7 +540,7 @@ impl Store {
     pub fn unfinished_commands(&self) -> Result<Vec<Command>, StoreError> {
         let conn = self.conn();
         let docs: Vec<String> = conn
-            .prepare(
+            .prepare_cached(
                 "SELECT doc FROM commands WHERE state IN ('starting', 'running')
                  ORDER BY created_at, id",
             )?
@@ -441,6 +550,35 @@ impl Store {
             .map(|d| serde_json::from_str(d).map_err(StoreError::from))
             .collect()
     }
+
+    /// How many commands have not ended: of `tenant`, and of the sandbox `sandbox_id`.
+    pub fn count_unfinished_commands(
+        &self,
+        tenant: &str,
+        sandbox_id: &str,
+    ) -> Result<(u64, u64), StoreError> {
+        let conn = self.conn();
+        let of_tenant: i64 = conn.query_row(
+            "SELECT COUNT(*) FROM commands WHERE tenant = ?1 AND state IN ('starting', 'running')",
+            [tenant],
+            |r| r.get(0),
+        )?;
+        let of_sandbox: i64 = conn.query_row(
+            "SELECT COUNT(*) FROM commands
+             WHERE sandbox_id = ?1 AND state IN ('starting', 'running')",
+            [sandbox_id],
+            |r| r.get(0),
+        )?;
+        Ok((of_tenant as u64, of_sandbox as u64))
+    }
+}
+
+/// An operation row: the tenant column is the truth (documents written before
+/// operations had a tenant field say `default`).
+fn operation_from_row((tenant, doc): (String, String)) -> Result<Operation, StoreError> {
+    let mut op: Operation = serde_json::from_str(&doc)?;
+    op.tenant = tenant;
+    Ok(op)
 }
 
 /// Inline output is a view of the output files, never stored.
@@ -453,31 +591,48 @@ fn stored_command(cmd: &Command) -> Command {
     }
 }
 
-/// Appends an event; returns its id.
+/// Appends an event of `tenant`; returns its id.
 fn event(
     conn: &Connection,
+    tenant: &str,
     kind: &str,
     object_id: &str,
     object: &impl Serialize,
 ) -> Result<i64, StoreError> {
-    conn.execute(
-        "INSERT INTO events (kind, object_id, created_at, doc) VALUES (?1, ?2, ?3, ?4)",
-        params![
-            kind,
-            object_id,
-            space_core::now_rfc3339(),
-            serde_json::to_string(object)?
-        ],
-    )?;
+    conn.prepare_cached(
+        "INSERT INTO events (tenant, kind, object_id, created_at, doc) VALUES (?1, ?2, ?3, ?4, ?5)",
+    )?
+    .execute(params![
+        tenant,
+        kind,
+        object_id,
+        space_core::now_rfc3339(),
+        serde_json::to_string(object)?
+    ])?;
     Ok(conn.last_insert_rowid())
+}
+
+fn sandbox_event(conn: &Connection, rec: &SandboxRecord) -> Result<i64, StoreError> {
+    event(
+        conn,
+        &rec.sandbox.tenant,
+        "sandbox",
+        &rec.sandbox.id,
+        &rec.sandbox,
+    )
+}
+
+fn op_event(conn: &Connection, op: &Operation) -> Result<i64, StoreError> {
+    event(conn, &op.tenant, "operation", &op.id, op)
 }
 
 fn insert_op(conn: &Connection, op: &Operation) -> Result<(), StoreError> {
     conn.execute(
-        "INSERT INTO operations (id, sandbox_id, kind, status, created_at, doc)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+        "INSERT INTO operations (id, tenant, sandbox_id, kind, status, created_at, doc)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
         params![
             op.id,
+            op.tenant,
             op.sandbox_id,
             op.kind.as_str(),
             op.status.as_str(),
@@ -490,11 +645,12 @@ fn insert_op(conn: &Connection, op: &Operation) -> Result<(), StoreError> {
 
 fn upsert_op(conn: &Connection, op: &Operation) -> Result<(), StoreError> {
     conn.execute(
-        "INSERT INTO operations (id, sandbox_id, kind, status, created_at, doc)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6)
+        "INSERT INTO operations (id, tenant, sandbox_id, kind, status, created_at, doc)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)
          ON CONFLICT(id) DO UPDATE SET status = excluded.status, doc = excluded.doc",
         params![
             op.id,
+            op.tenant,
             op.sandbox_id,
             op.kind.as_str(),
             op.status.as_str(),
@@ -556,6 +712,7 @@ mod tests {
             kind: OperationKind::Create,
             status: OperationStatus::Pending,
             sandbox_id: Some(sb.into()),
+            tenant: "default".into(),
             template: None,
             error: None,
             progress: None,
@@ -580,7 +737,10 @@ mod tests {
             SandboxState::Running
         );
         assert!(s.unfinished_operations().unwrap().is_empty());
-        assert_eq!(s.list_operations(Some("sb_1"), 10).unwrap(), vec![o]);
+        assert_eq!(
+            s.list_operations("default", Some("sb_1"), 10).unwrap(),
+            vec![o]
+        );
         assert!(s.get_sandbox("sb_2").unwrap().is_none());
     }
 
@@ -605,14 +765,17 @@ mod tests {
         rec.sandbox.state = SandboxState::Running;
         s.update_sandbox(&rec).unwrap();
         assert!(rx.has_changed().unwrap());
-        let events = s.events_after(0, 10).unwrap();
+        let events = s.events_after("default", 0, 10).unwrap();
         let kinds: Vec<&str> = events.iter().map(|e| e.kind.as_str()).collect();
         assert_eq!(kinds, ["sandbox", "operation", "sandbox"]);
         assert_eq!(events[2].object["state"], "running");
         // The agent token never reaches an event.
         assert!(events[0].object.get("agent_token").is_none());
         assert_eq!(*rx.borrow_and_update(), events[2].id);
-        assert_eq!(s.events_after(events[1].id, 10).unwrap().len(), 1);
+        assert_eq!(
+            s.events_after("default", events[1].id, 10).unwrap().len(),
+            1
+        );
         s.purge_sandbox("sb_1").unwrap();
         assert!(s.get_sandbox("sb_1").unwrap().is_none());
         assert!(s.get_operation("op_1").unwrap().is_none());

@@ -37,14 +37,30 @@ impl Store {
 
     /// The tenant of the live (not revoked) key with this hash.
     pub fn tenant_for_key_hash(&self, hash: &str) -> Result<Option<String>, StoreError> {
+        Ok(self.key_for_hash(hash)?.map(|(_, tenant)| tenant))
+    }
+
+    /// The id and tenant of the live (not revoked) key with this hash.
+    pub fn key_for_hash(&self, hash: &str) -> Result<Option<(String, String)>, StoreError> {
         Ok(self
             .conn()
-            .query_row(
-                "SELECT tenant FROM api_keys WHERE hash = ?1 AND revoked_at IS NULL",
-                [hash],
-                |r| r.get(0),
-            )
+            .prepare_cached(
+                "SELECT id, tenant FROM api_keys WHERE hash = ?1 AND revoked_at IS NULL",
+            )?
+            .query_row([hash], |r| Ok((r.get(0)?, r.get(1)?)))
             .optional()?)
+    }
+
+    /// Ids of every revoked key (`space keys revoke` writes the database directly, so a
+    /// running server learns of revocations by reading them).
+    pub fn revoked_key_ids(&self) -> Result<Vec<String>, StoreError> {
+        let conn = self.conn();
+        let mut stmt =
+            conn.prepare_cached("SELECT id FROM api_keys WHERE revoked_at IS NOT NULL")?;
+        let ids = stmt
+            .query_map([], |r| r.get(0))?
+            .collect::<Result<Vec<String>, _>>()?;
+        Ok(ids)
     }
 
     /// Every key, oldest first; of one tenant when `tenant` is set.

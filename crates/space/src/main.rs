@@ -189,6 +189,16 @@ struct ServeArgs {
     /// Commands one sandbox may have running at once (429 past it).
     #[arg(long, default_value_t = 64)]
     max_commands_per_sandbox: u64,
+    /// Long-lived responses one tenant may hold open at once: event streams, followed
+    /// output and build logs, attached terminals (429 past it).
+    #[arg(long, default_value_t = 64)]
+    tenant_max_streams: u64,
+    /// Template builds one tenant may have running or waiting at once (429 past it).
+    #[arg(long, default_value_t = 4)]
+    tenant_max_builds: u64,
+    /// Large request bodies (file uploads, recipes) one tenant may send at once (429 past it).
+    #[arg(long, default_value_t = 8)]
+    tenant_max_uploads: u64,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -465,23 +475,22 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         runsc: args.runsc.clone(),
         platform: args.platform.clone(),
         max_upload_bytes: args.max_upload_mib.saturating_mul(1 << 20),
+        server_token: token,
+        limits: service::Limits {
+            max_sandboxes: args.tenant_max_sandboxes,
+            max_running_commands: args.tenant_max_running_commands,
+            creates_per_minute: args.tenant_creates_per_minute,
+            max_commands_per_sandbox: args.max_commands_per_sandbox,
+            max_streams: args.tenant_max_streams,
+            max_builds: args.tenant_max_builds,
+            max_uploads: args.tenant_max_uploads,
+        },
     };
     let runtimes = runtimes(&args, runtime)?;
     let service = service::Service::start(cfg, runtimes)
         .await
         .context("starting the service")?;
-    let app = api::router(api::AppState {
-        service,
-        tenancy: Arc::new(api::tenancy::Tenancy::new(
-            token,
-            api::tenancy::Limits {
-                max_sandboxes: args.tenant_max_sandboxes,
-                max_running_commands: args.tenant_max_running_commands,
-                creates_per_minute: args.tenant_creates_per_minute,
-                max_commands_per_sandbox: args.max_commands_per_sandbox,
-            },
-        )),
-    });
+    let app = api::router(api::AppState { service });
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("listening on {}", args.listen))?;

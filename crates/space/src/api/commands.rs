@@ -15,35 +15,34 @@ use space_api::{CommandList, CreateCommandRequest, OutputChunk, OutputEnd};
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::StreamExt;
 
-use super::{
-    check_command_ids, check_id, error, parse_query, parse_wait, respond, respond_with, ApiJson,
-    AppState, HttpError,
-};
+use super::{error, parse_query, parse_wait, respond, respond_with, ApiJson, AppState, HttpError};
 use crate::service::output::View;
-use crate::service::{CommandOutputQuery, OutputEvent};
+use crate::service::{CommandOutputQuery, OutputEvent, Principal, Tenant};
+use axum::Extension;
 
 pub async fn create(
     State(st): State<AppState>,
-    axum::Extension(tenant): axum::Extension<super::tenancy::Tenant>,
+    Extension(tenant): Extension<Tenant>,
     Path(id): Path<String>,
     ApiJson(req): ApiJson<CreateCommandRequest>,
 ) -> Response {
-    if let Err(r) = check_id(&id, "sb", "sandbox") {
-        return r.into_response();
-    }
-    let admit = || st.tenancy.admit_command(&st.service, &tenant, &id);
     respond_with(
         StatusCode::CREATED,
-        st.service.create_command_admitted(&id, req, admit).await,
+        st.service
+            .for_tenant(&tenant)
+            .create_command(&id, req)
+            .await,
     )
 }
 
-pub async fn list(State(st): State<AppState>, Path(id): Path<String>) -> Response {
-    if let Err(r) = check_id(&id, "sb", "sandbox") {
-        return r.into_response();
-    }
+pub async fn list(
+    State(st): State<AppState>,
+    Extension(tenant): Extension<Tenant>,
+    Path(id): Path<String>,
+) -> Response {
     respond(
         st.service
+            .for_tenant(&tenant)
             .list_commands(&id)
             .map(|commands| CommandList { commands }),
     )
@@ -57,12 +56,10 @@ struct GetQuery {
 
 pub async fn get(
     State(st): State<AppState>,
+    Extension(tenant): Extension<Tenant>,
     Path((id, cid)): Path<(String, String)>,
     RawQuery(q): RawQuery,
 ) -> Response {
-    if let Err(r) = check_command_ids(&id, &cid) {
-        return r.into_response();
-    }
     let q: GetQuery = match parse_query(q.as_deref()) {
         Ok(q) => q,
         Err(r) => return r.into_response(),
@@ -71,7 +68,12 @@ pub async fn get(
         Ok(w) => w.unwrap_or(Duration::ZERO),
         Err(r) => return r.into_response(),
     };
-    respond(st.service.wait_command(&id, &cid, Some(wait)).await)
+    respond(
+        st.service
+            .for_tenant(&tenant)
+            .get_command(&id, &cid, wait)
+            .await,
+    )
 }
 
 #[derive(Deserialize)]
@@ -85,12 +87,10 @@ struct OutputQuery {
 
 pub async fn output(
     State(st): State<AppState>,
+    Extension(tenant): Extension<Tenant>,
     Path((id, cid)): Path<(String, String)>,
     RawQuery(q): RawQuery,
 ) -> Response {
-    if let Err(r) = check_command_ids(&id, &cid) {
-        return r.into_response();
-    }
     let q: OutputQuery = match parse_query(q.as_deref()) {
         Ok(q) => q,
         Err(r) => return r.into_response(),
@@ -112,7 +112,11 @@ pub async fn output(
         follow: q.follow.unwrap_or(false),
         view,
     };
-    match st.service.command_output(&id, &cid, query) {
+    match st
+        .service
+        .for_tenant(&tenant)
+        .command_output(&id, &cid, query)
+    {
         Ok(rx) => {
             let stream = ReceiverStream::new(rx)
                 .map(|ev| Ok::<_, std::convert::Infallible>(ndjson_line(ev)));
@@ -135,12 +139,10 @@ pub struct SignalBody {
 
 pub async fn signal(
     State(st): State<AppState>,
+    Extension(tenant): Extension<Tenant>,
     Path((id, cid)): Path<(String, String)>,
     ApiJson(body): ApiJson<SignalBody>,
 ) -> Response {
-    if let Err(r) = check_command_ids(&id, &cid) {
-        return r.into_response();
-    }
     let Some(sig) = parse_signal(&body.signal) else {
         return error(
             StatusCode::BAD_REQUEST,
@@ -148,7 +150,12 @@ pub async fn signal(
             "signal must be a number 1-64 or a name such as TERM, KILL, INT, HUP, QUIT, USR1, USR2, STOP, CONT",
         );
     };
-    respond(st.service.signal_command(&id, &cid, sig).await)
+    respond(
+        st.service
+            .for_tenant(&tenant)
+            .signal_command(&id, &cid, sig)
+            .await,
+    )
 }
 
 pub fn parse_signal(v: &serde_json::Value) -> Option<i32> {
@@ -221,13 +228,11 @@ struct StdinQuery {
 /// `POST …/commands/{cid}/stdin`: the raw body goes to the command's stdin.
 pub async fn stdin(
     State(st): State<AppState>,
+    Extension(tenant): Extension<Tenant>,
     Path((id, cid)): Path<(String, String)>,
     RawQuery(q): RawQuery,
     body: axum::body::Body,
 ) -> Response {
-    if let Err(r) = check_command_ids(&id, &cid) {
-        return r.into_response();
-    }
     let q: StdinQuery = match parse_query(q.as_deref()) {
         Ok(q) => q,
         Err(r) => return r.into_response(),
@@ -241,6 +246,7 @@ pub async fn stdin(
     };
     match st
         .service
+        .for_tenant(&tenant)
         .write_stdin(&id, &cid, data, q.eof.unwrap_or(false))
         .await
     {
@@ -275,12 +281,10 @@ enum Control {
 pub async fn attach(
     ws: WebSocketUpgrade,
     State(st): State<AppState>,
+    Extension(principal): Extension<Principal>,
     Path((id, cid)): Path<(String, String)>,
     RawQuery(q): RawQuery,
 ) -> Response {
-    if let Err(r) = check_command_ids(&id, &cid) {
-        return r.into_response();
-    }
     let q: AttachQuery = match parse_query(q.as_deref()) {
         Ok(q) => q,
         Err(r) => return r.into_response(),
@@ -290,17 +294,22 @@ pub async fn attach(
         follow: true,
         view: View::Combined,
     };
-    let output = match st.service.command_output(&id, &cid, query) {
+    let output = match st
+        .service
+        .for_tenant(&principal.tenant)
+        .command_output(&id, &cid, query)
+    {
         Ok(rx) => rx,
         Err(e) => return HttpError(e).into_response(),
     };
     let svc = st.service.clone();
     ws.max_message_size(MAX_STDIN_BODY)
-        .on_upgrade(move |socket| attach_session(svc, id, cid, socket, output))
+        .on_upgrade(move |socket| attach_session(svc, principal, id, cid, socket, output))
 }
 
 async fn attach_session(
     svc: crate::service::Service,
+    principal: Principal,
     id: String,
     cid: String,
     socket: WebSocket,
@@ -308,8 +317,17 @@ async fn attach_session(
 ) {
     use futures::SinkExt;
     let (mut sink, mut input) = futures::StreamExt::split(socket);
+    let revoked = svc.revoked(&principal);
+    tokio::pin!(revoked);
+    let svc = svc.for_tenant(&principal.tenant);
     loop {
         tokio::select! {
+            _ = &mut revoked => {
+                let msg = serde_json::json!({"type": "error", "message": "the API key was revoked"});
+                let _ = sink.send(Message::Text(msg.to_string())).await;
+                let _ = sink.send(Message::Close(None)).await;
+                return;
+            }
             ev = output.recv() => match ev {
                 Some(OutputEvent::Chunk { stream, data, .. }) => {
                     let mut msg = Vec::with_capacity(data.len() + 1);

@@ -16,8 +16,8 @@ use serde::Deserialize;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::StreamExt;
 
-use super::tenancy::{operation_tenant, Tenant};
 use super::{error, parse_query, AppState};
+use crate::service::Tenant;
 
 /// Events read from the store per batch.
 const BATCH: usize = 500;
@@ -61,12 +61,17 @@ pub async fn stream(
         }
     };
     let service = st.service.clone();
+    let hold = match service.for_tenant(&tenant).admit_stream() {
+        Ok(p) => p,
+        Err(e) => return super::HttpError(e).into_response(),
+    };
     let mut latest = service.subscribe_events();
     let mut after = last_event_id
         .or(q.after)
         .unwrap_or_else(|| *latest.borrow_and_update());
     let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(16);
     tokio::spawn(async move {
+        let _hold = hold;
         // Tell the client how long to wait before reconnecting.
         if tx
             .send(Bytes::from_static(b"retry: 1000\n\n"))
@@ -77,16 +82,13 @@ pub async fn stream(
         }
         loop {
             latest.borrow_and_update();
-            let events = match service.events_after(after, BATCH) {
+            let events = match service.for_tenant(&tenant).events_after(after, BATCH) {
                 Ok(e) => e,
                 Err(_) => return,
             };
             let full = events.len() == BATCH;
             for e in events {
                 after = e.id;
-                if !mine(&service, &tenant, &e) {
-                    continue;
-                }
                 let data = serde_json::to_string(&e).unwrap_or_default();
                 let frame = format!("id: {}\nevent: {}\ndata: {}\n\n", e.id, e.kind, data);
                 if tx.send(Bytes::from(frame)).await.is_err() {
@@ -113,23 +115,4 @@ pub async fn stream(
         .header(header::CACHE_CONTROL, "no-store")
         .body(body)
         .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
-}
-
-/// Whether an event is about the caller's own sandbox or operation.
-fn mine(service: &crate::service::Service, tenant: &Tenant, e: &space_api::Event) -> bool {
-    let store = service.store();
-    match e.kind.as_str() {
-        "sandbox" => {
-            e.object
-                .get("tenant")
-                .and_then(|t| t.as_str())
-                .unwrap_or(space_api::DEFAULT_TENANT)
-                == tenant.as_str()
-        }
-        "operation" => serde_json::from_value::<space_api::Operation>(e.object.clone())
-            .ok()
-            .and_then(|op| operation_tenant(store, &op).ok())
-            .is_some_and(|t| t == tenant.as_str()),
-        _ => false,
-    }
 }

@@ -15,8 +15,10 @@ use http_body_util::{BodyExt, Full, StreamBody};
 use hyper::body::Frame;
 use serde::{Deserialize, Serialize};
 
-use super::{check_id, error, parse_query, ApiJson, AppState, HttpError, Reject};
+use super::{error, parse_query, ApiJson, AppState, HttpError, Reject};
 use crate::service::agent::{BodyError, HostBody};
+use crate::service::Tenant;
+use axum::Extension;
 
 /// Longest path accepted (Linux's PATH_MAX).
 const MAX_PATH: usize = 4096;
@@ -254,6 +256,7 @@ fn too_large(max: u64) -> Response {
 
 async fn forward(
     st: &AppState,
+    tenant: &Tenant,
     id: &str,
     method: Method,
     uri: &str,
@@ -261,6 +264,7 @@ async fn forward(
     body: HostBody,
 ) -> Result<http::Response<hyper::body::Incoming>, Response> {
     st.service
+        .for_tenant(tenant)
         .files_request(id, method, uri, content_type, body)
         .await
         .map_err(|e| HttpError(e).into_response())
@@ -269,11 +273,11 @@ async fn forward(
 /// `GET …/files?path=P[&format=tar]`.
 pub async fn download(
     State(st): State<AppState>,
+    Extension(tenant): Extension<Tenant>,
     Path(id): Path<String>,
     RawQuery(q): RawQuery,
 ) -> Response {
     let run = async {
-        check_id(&id, "sb", "sandbox").map_err(IntoResponse::into_response)?;
         let q: FileQuery = parse_query(q.as_deref()).map_err(IntoResponse::into_response)?;
         check_path("path", &q.path).map_err(IntoResponse::into_response)?;
         let tar = check_format(&q.format).map_err(IntoResponse::into_response)?;
@@ -291,7 +295,7 @@ pub async fn download(
             ..Default::default()
         };
         let uri = agent_uri("", &query).map_err(IntoResponse::into_response)?;
-        let resp = forward(&st, &id, Method::GET, &uri, None, empty()).await?;
+        let resp = forward(&st, &tenant, &id, Method::GET, &uri, None, empty()).await?;
         Ok(relay(
             resp,
             if tar {
@@ -307,13 +311,13 @@ pub async fn download(
 /// `PUT …/files?path=P[&mode=&uid=&gid=]` (raw) or `&format=tar[&gzip=true]`.
 pub async fn upload(
     State(st): State<AppState>,
+    Extension(tenant): Extension<Tenant>,
     Path(id): Path<String>,
     RawQuery(q): RawQuery,
     req: Request,
 ) -> Response {
     let max = st.service.max_upload_bytes();
     let run = async {
-        check_id(&id, "sb", "sandbox").map_err(IntoResponse::into_response)?;
         let q: FileQuery = parse_query(q.as_deref()).map_err(IntoResponse::into_response)?;
         check_path("path", &q.path).map_err(IntoResponse::into_response)?;
         let tar = check_format(&q.format).map_err(IntoResponse::into_response)?;
@@ -347,9 +351,16 @@ pub async fn upload(
             recursive: None,
         };
         let uri = agent_uri("", &query).map_err(IntoResponse::into_response)?;
+        // One of the tenant's uploads in flight, held until the agent has answered.
+        let _upload = st
+            .service
+            .for_tenant(&tenant)
+            .admit_upload()
+            .map_err(|e| HttpError(e).into_response())?;
         let (body, exceeded) = bounded_upload(req.into_body(), max);
         let result = forward(
             &st,
+            &tenant,
             &id,
             Method::PUT,
             &uri,
@@ -372,11 +383,11 @@ pub async fn upload(
 /// `DELETE …/files?path=P[&recursive=true]`.
 pub async fn remove(
     State(st): State<AppState>,
+    Extension(tenant): Extension<Tenant>,
     Path(id): Path<String>,
     RawQuery(q): RawQuery,
 ) -> Response {
     let run = async {
-        check_id(&id, "sb", "sandbox").map_err(IntoResponse::into_response)?;
         let q: FileQuery = parse_query(q.as_deref()).map_err(IntoResponse::into_response)?;
         check_path("path", &q.path).map_err(IntoResponse::into_response)?;
         if q.path.split('/').all(|c| c.is_empty() || c == ".") {
@@ -395,7 +406,7 @@ pub async fn remove(
             ..Default::default()
         };
         let uri = agent_uri("", &query).map_err(IntoResponse::into_response)?;
-        let resp = forward(&st, &id, Method::DELETE, &uri, None, empty()).await?;
+        let resp = forward(&st, &tenant, &id, Method::DELETE, &uri, None, empty()).await?;
         Ok(relay(resp, "application/json"))
     };
     run.await.unwrap_or_else(|r: Response| r)
@@ -404,11 +415,11 @@ pub async fn remove(
 /// `GET …/files/list?path=P&depth=N`.
 pub async fn list(
     State(st): State<AppState>,
+    Extension(tenant): Extension<Tenant>,
     Path(id): Path<String>,
     RawQuery(q): RawQuery,
 ) -> Response {
     let run = async {
-        check_id(&id, "sb", "sandbox").map_err(IntoResponse::into_response)?;
         let q: ListQuery = parse_query(q.as_deref()).map_err(IntoResponse::into_response)?;
         check_path("path", &q.path).map_err(IntoResponse::into_response)?;
         if q.depth.is_some_and(|d| d == 0 || d > MAX_DEPTH) {
@@ -419,7 +430,7 @@ pub async fn list(
             .into_response());
         }
         let uri = agent_uri("/list", &q).map_err(IntoResponse::into_response)?;
-        let resp = forward(&st, &id, Method::GET, &uri, None, empty()).await?;
+        let resp = forward(&st, &tenant, &id, Method::GET, &uri, None, empty()).await?;
         Ok(relay(resp, "application/json"))
     };
     run.await.unwrap_or_else(|r: Response| r)
@@ -428,15 +439,15 @@ pub async fn list(
 /// `GET …/files/stat?path=P`.
 pub async fn stat(
     State(st): State<AppState>,
+    Extension(tenant): Extension<Tenant>,
     Path(id): Path<String>,
     RawQuery(q): RawQuery,
 ) -> Response {
     let run = async {
-        check_id(&id, "sb", "sandbox").map_err(IntoResponse::into_response)?;
         let q: StatQuery = parse_query(q.as_deref()).map_err(IntoResponse::into_response)?;
         check_path("path", &q.path).map_err(IntoResponse::into_response)?;
         let uri = agent_uri("/stat", &q).map_err(IntoResponse::into_response)?;
-        let resp = forward(&st, &id, Method::GET, &uri, None, empty()).await?;
+        let resp = forward(&st, &tenant, &id, Method::GET, &uri, None, empty()).await?;
         Ok(relay(resp, "application/json"))
     };
     run.await.unwrap_or_else(|r: Response| r)
@@ -445,11 +456,11 @@ pub async fn stat(
 /// `POST …/files/mkdir {path, mode?, uid?, gid?}` (like `mkdir -p`).
 pub async fn mkdir(
     State(st): State<AppState>,
+    Extension(tenant): Extension<Tenant>,
     Path(id): Path<String>,
     ApiJson(body): ApiJson<MkdirRequest>,
 ) -> Response {
     let run = async {
-        check_id(&id, "sb", "sandbox").map_err(IntoResponse::into_response)?;
         check_path("path", &body.path).map_err(IntoResponse::into_response)?;
         if body.mode.is_some_and(|m| m > 0o7777) {
             return Err(
@@ -458,6 +469,7 @@ pub async fn mkdir(
         }
         let resp = forward(
             &st,
+            &tenant,
             &id,
             Method::POST,
             "/v1/files/mkdir",
@@ -473,15 +485,16 @@ pub async fn mkdir(
 /// `POST …/files/move {from, to, overwrite?}`.
 pub async fn rename(
     State(st): State<AppState>,
+    Extension(tenant): Extension<Tenant>,
     Path(id): Path<String>,
     ApiJson(body): ApiJson<MoveRequest>,
 ) -> Response {
     let run = async {
-        check_id(&id, "sb", "sandbox").map_err(IntoResponse::into_response)?;
         check_path("from", &body.from).map_err(IntoResponse::into_response)?;
         check_path("to", &body.to).map_err(IntoResponse::into_response)?;
         let resp = forward(
             &st,
+            &tenant,
             &id,
             Method::POST,
             "/v1/files/move",

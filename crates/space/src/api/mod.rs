@@ -2,6 +2,7 @@
 //! Each handler turns a request into one service call; errors become
 //! `{"error":{"code","message"}}` with the right status.
 
+mod auth;
 mod commands;
 mod events;
 mod files;
@@ -9,9 +10,7 @@ mod openapi;
 mod operations;
 mod sandboxes;
 mod templates;
-pub mod tenancy;
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Body;
@@ -34,7 +33,6 @@ const MAX_WAIT: Duration = Duration::from_secs(600);
 #[derive(Clone)]
 pub struct AppState {
     pub service: Service,
-    pub tenancy: Arc<tenancy::Tenancy>,
 }
 
 pub fn router(state: AppState) -> Router {
@@ -88,12 +86,12 @@ pub fn router(state: AppState) -> Router {
                 Json(serde_json::json!({ "runtimes": st.service.runtimes_info() }))
             }),
         )
-        .fallback(not_found)
-        .layer(middleware::from_fn_with_state(
+        .route_layer(middleware::from_fn_with_state(
             state.clone(),
-            tenancy::ownership,
+            auth::ownership,
         ))
-        .layer(middleware::from_fn_with_state(state.clone(), tenancy::auth));
+        .fallback(not_found)
+        .layer(middleware::from_fn_with_state(state.clone(), auth::auth));
     Router::new()
         .route(
             "/healthz",
@@ -323,24 +321,6 @@ pub fn parse_wait(s: &str) -> Result<Duration, Reject> {
         _ => return Err(bad()),
     };
     Ok(d.min(MAX_WAIT))
-}
-
-/// Rejects ids that cannot be ours with a 404 before they reach the store.
-pub fn check_id(id: &str, prefix: &str, what: &str) -> Result<(), Reject> {
-    if space_core::is_valid_id(id, prefix) {
-        Ok(())
-    } else {
-        Err(Reject {
-            status: StatusCode::NOT_FOUND,
-            code: "not_found",
-            message: format!("no {what} {}", crate::service::truncate(id, 64)),
-        })
-    }
-}
-
-/// Both ids of a command route, or a 404.
-pub fn check_command_ids(id: &str, cid: &str) -> Result<(), Reject> {
-    check_id(id, "sb", "sandbox").and(check_id(cid, "cmd", "command"))
 }
 
 #[cfg(test)]

@@ -8,8 +8,8 @@ use axum::Extension;
 use serde::Deserialize;
 use space_api::OperationList;
 
-use super::tenancy::{operation_tenant, Tenant};
-use super::{check_id, parse_query, parse_wait, respond, AppState};
+use super::{parse_query, parse_wait, respond, AppState};
+use crate::service::Tenant;
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -19,12 +19,10 @@ struct GetQuery {
 
 pub async fn get(
     State(st): State<AppState>,
+    Extension(tenant): Extension<Tenant>,
     Path(id): Path<String>,
     RawQuery(q): RawQuery,
 ) -> Response {
-    if let Err(r) = check_id(&id, "op", "operation") {
-        return r.into_response();
-    }
     let q: GetQuery = match parse_query(q.as_deref()) {
         Ok(q) => q,
         Err(r) => return r.into_response(),
@@ -33,7 +31,12 @@ pub async fn get(
         Ok(w) => w.unwrap_or(Duration::ZERO),
         Err(r) => return r.into_response(),
     };
-    respond(st.service.wait_operation(&id, wait).await)
+    respond(
+        st.service
+            .for_tenant(&tenant)
+            .get_operation(&id, wait)
+            .await,
+    )
 }
 
 #[derive(Deserialize)]
@@ -53,31 +56,20 @@ pub async fn list(
         Err(r) => return r.into_response(),
     };
     let limit = q.limit.unwrap_or(100).clamp(1, 1000);
-    // The caller's operations only; read past other tenants' to fill `limit`.
-    let store = st.service.store();
-    let r = st
-        .service
-        .list_operations(q.sandbox_id.as_deref(), 10_000)
-        .and_then(|all| {
-            let mut operations = Vec::new();
-            for op in all {
-                if operations.len() == limit {
-                    break;
-                }
-                if operation_tenant(store, &op)? == tenant.as_str() {
-                    operations.push(op);
-                }
-            }
-            Ok(OperationList { operations })
-        });
-    respond(r)
+    respond(
+        st.service
+            .for_tenant(&tenant)
+            .list_operations(q.sandbox_id.as_deref(), limit)
+            .map(|operations| OperationList { operations }),
+    )
 }
 
-pub async fn cancel(State(st): State<AppState>, Path(id): Path<String>) -> Response {
-    if let Err(r) = check_id(&id, "op", "operation") {
-        return r.into_response();
-    }
-    respond(st.service.cancel_operation(&id))
+pub async fn cancel(
+    State(st): State<AppState>,
+    Extension(tenant): Extension<Tenant>,
+    Path(id): Path<String>,
+) -> Response {
+    respond(st.service.for_tenant(&tenant).cancel_operation(&id))
 }
 
 #[derive(Deserialize)]
@@ -90,28 +82,20 @@ struct LogQuery {
 /// response streams until the build has ended.
 pub async fn log(
     State(st): State<AppState>,
+    Extension(tenant): Extension<Tenant>,
     Path(id): Path<String>,
     RawQuery(q): RawQuery,
 ) -> Response {
     use axum::http::{header, StatusCode};
-    if let Err(r) = check_id(&id, "op", "operation") {
-        return r.into_response();
-    }
     let q: LogQuery = match parse_query(q.as_deref()) {
         Ok(q) => q,
         Err(r) => return r.into_response(),
     };
-    if let Err(e) = st.service.operation(&id) {
-        return super::HttpError(e).into_response();
-    }
-    let path = st.service.build_log_path(&id);
-    if !path.exists() {
-        return super::error(
-            StatusCode::NOT_FOUND,
-            "not_found",
-            format!("operation {id} has no log (only template builds have one)"),
-        );
-    }
+    let scope = st.service.for_tenant(&tenant);
+    let path = match scope.build_log(&id) {
+        Ok(p) => p,
+        Err(e) => return super::HttpError(e).into_response(),
+    };
     let text = [(header::CONTENT_TYPE, "text/plain; charset=utf-8")];
     if q.follow != Some(true) {
         return match tokio::fs::read(&path).await {
@@ -123,6 +107,10 @@ pub async fn log(
             ),
         };
     }
+    let hold = match scope.admit_stream() {
+        Ok(p) => p,
+        Err(e) => return super::HttpError(e).into_response(),
+    };
     let svc = st.service.clone();
     // (file, offset, finished): read what is there; once the operation has ended, read the
     // rest and stop.
@@ -130,6 +118,8 @@ pub async fn log(
         let svc = svc.clone();
         let path = path.clone();
         let id = id.clone();
+        let tenant = tenant.clone();
+        let _hold = &hold;
         async move {
             use tokio::io::AsyncReadExt;
             if done {
@@ -141,10 +131,7 @@ pub async fn log(
             };
             let mut events = svc.subscribe_events();
             loop {
-                let ended = svc
-                    .operation(&id)
-                    .map(|op| op.status.is_terminal())
-                    .unwrap_or(true);
+                let ended = svc.for_tenant(&tenant).operation_ended(&id).unwrap_or(true);
                 let mut buf = vec![0u8; 64 * 1024];
                 let n = file.read(&mut buf).await.ok()?;
                 if n > 0 {

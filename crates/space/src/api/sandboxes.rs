@@ -7,27 +7,15 @@ use axum::Extension;
 use serde::Deserialize;
 use space_api::{CreateSandboxRequest, SandboxList};
 
-use super::tenancy::Tenant;
-use super::{check_id, error, parse_query, respond, respond_with, ApiJson, AppState};
+use super::{error, parse_query, respond, respond_with, ApiJson, AppState};
+use crate::service::Tenant;
 
 pub async fn create(
     State(st): State<AppState>,
     Extension(tenant): Extension<Tenant>,
     ApiJson(req): ApiJson<CreateSandboxRequest>,
 ) -> Response {
-    let r = st
-        .tenancy
-        .admit_create(&st.service, &tenant, || {
-            // Another tenant's template is as unknown as one that does not exist.
-            let name = req.template.trim();
-            if !super::tenancy::template_visible(st.service.store(), &tenant, name)? {
-                return Err(crate::service::ServiceError::NotFound(format!(
-                    "unknown template {name:?}"
-                )));
-            }
-            st.service.create_sandbox(tenant.as_str(), req)
-        })
-        .await;
+    let r = st.service.for_tenant(&tenant).create_sandbox(req).await;
     respond_with(StatusCode::ACCEPTED, r)
 }
 
@@ -65,35 +53,36 @@ pub async fn list(
             }
         }
     }
-    respond(st.service.list_sandboxes(&labels).map(|all| {
-        SandboxList {
-            sandboxes: all
-                .into_iter()
-                .filter(|s| s.tenant == tenant.as_str())
-                .collect(),
-        }
-    }))
+    respond(
+        st.service
+            .for_tenant(&tenant)
+            .list_sandboxes(&labels)
+            .map(|sandboxes| SandboxList { sandboxes }),
+    )
 }
 
-pub async fn get(State(st): State<AppState>, Path(id): Path<String>) -> Response {
-    if let Err(r) = check_id(&id, "sb", "sandbox") {
-        return r.into_response();
-    }
-    respond(st.service.get_sandbox(&id))
+pub async fn get(
+    State(st): State<AppState>,
+    Extension(tenant): Extension<Tenant>,
+    Path(id): Path<String>,
+) -> Response {
+    respond(st.service.for_tenant(&tenant).get_sandbox(&id))
 }
 
-pub async fn destroy(State(st): State<AppState>, Path(id): Path<String>) -> Response {
-    if let Err(r) = check_id(&id, "sb", "sandbox") {
-        return r.into_response();
-    }
-    accepted(st.service.destroy_sandbox(&id))
+pub async fn destroy(
+    State(st): State<AppState>,
+    Extension(tenant): Extension<Tenant>,
+    Path(id): Path<String>,
+) -> Response {
+    accepted(st.service.for_tenant(&tenant).destroy_sandbox(&id))
 }
 
-pub async fn pause(State(st): State<AppState>, Path(id): Path<String>) -> Response {
-    if let Err(r) = check_id(&id, "sb", "sandbox") {
-        return r.into_response();
-    }
-    accepted(st.service.pause(&id))
+pub async fn pause(
+    State(st): State<AppState>,
+    Extension(tenant): Extension<Tenant>,
+    Path(id): Path<String>,
+) -> Response {
+    accepted(st.service.for_tenant(&tenant).pause(&id))
 }
 
 /// `POST /v1/sandboxes/{id}/snapshot-template {name}`.
@@ -109,32 +98,28 @@ pub async fn snapshot_template(
     Path(id): Path<String>,
     ApiJson(req): ApiJson<SnapshotTemplateRequest>,
 ) -> Response {
-    if let Err(r) = check_id(&id, "sb", "sandbox") {
-        return r.into_response();
-    }
-    let claimed = match super::templates::claim(&st, &tenant, &req.name) {
-        Ok(c) => c,
-        Err(r) => return *r,
-    };
-    let r = st.service.snapshot_template(&id, &req.name);
-    if r.is_err() && claimed {
-        super::templates::unclaim(&st, &req.name);
-    }
-    accepted(r)
+    accepted(
+        st.service
+            .for_tenant(&tenant)
+            .snapshot_template(&id, &req.name)
+            .await,
+    )
 }
 
-pub async fn resume(State(st): State<AppState>, Path(id): Path<String>) -> Response {
-    if let Err(r) = check_id(&id, "sb", "sandbox") {
-        return r.into_response();
-    }
-    accepted(st.service.resume(&id))
+pub async fn resume(
+    State(st): State<AppState>,
+    Extension(tenant): Extension<Tenant>,
+    Path(id): Path<String>,
+) -> Response {
+    accepted(st.service.for_tenant(&tenant).resume(&id))
 }
 
-pub async fn suspend(State(st): State<AppState>, Path(id): Path<String>) -> Response {
-    if let Err(r) = check_id(&id, "sb", "sandbox") {
-        return r.into_response();
-    }
-    accepted(st.service.suspend(&id))
+pub async fn suspend(
+    State(st): State<AppState>,
+    Extension(tenant): Extension<Tenant>,
+    Path(id): Path<String>,
+) -> Response {
+    accepted(st.service.for_tenant(&tenant).suspend(&id))
 }
 
 fn accepted(r: crate::service::Result<space_api::Operation>) -> Response {
@@ -143,12 +128,10 @@ fn accepted(r: crate::service::Result<space_api::Operation>) -> Response {
 
 pub async fn keepalive(
     State(st): State<AppState>,
+    Extension(tenant): Extension<Tenant>,
     Path(id): Path<String>,
     body: axum::body::Body,
 ) -> Response {
-    if let Err(r) = check_id(&id, "sb", "sandbox") {
-        return r.into_response();
-    }
     // Our limit and error format, not axum's plain-text 413 (a `Bytes` extractor's).
     let Ok(body) = axum::body::to_bytes(body, super::MAX_JSON_BODY).await else {
         return error(
@@ -172,5 +155,5 @@ pub async fn keepalive(
             }
         }
     };
-    respond(st.service.keepalive(&id, req))
+    respond(st.service.for_tenant(&tenant).keepalive(&id, req))
 }

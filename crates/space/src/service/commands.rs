@@ -79,8 +79,8 @@ enum PumpEnd {
 }
 
 impl Service {
-    /// `POST /v1/sandboxes/{id}/commands`.
-    pub async fn create_command(
+    /// A command of the server's own (a template's start command): no admission.
+    pub(super) async fn create_command(
         &self,
         sandbox_id: &str,
         req: CreateCommandRequest,
@@ -92,7 +92,7 @@ impl Service {
     /// [`Self::create_command`], with `admit` (a limit check against the stored
     /// commands) run under one server-wide lock together with storing the new
     /// command: checks of concurrent creates see each other's commands.
-    pub async fn create_command_admitted(
+    pub(super) async fn create_command_admitted(
         &self,
         sandbox_id: &str,
         req: CreateCommandRequest,
@@ -216,7 +216,7 @@ impl Service {
             admit()?;
             let writer = OutputWriter::open(&dir, self.0.cfg.output_cap_bytes)
                 .map_err(|e| ServiceError::Internal(format!("creating output files: {e}")))?;
-            self.0.store.insert_command(&cmd)?;
+            self.0.store.insert_command(&rec.sandbox.tenant, &cmd)?;
             writer
         };
         let ch = self.register_command(sandbox_id, &id, writer.progress(), interactive);
@@ -419,21 +419,21 @@ impl Service {
         }
     }
 
-    pub fn get_command(&self, sandbox_id: &str, id: &str) -> Result<Command, ServiceError> {
+    pub(super) fn get_command(&self, sandbox_id: &str, id: &str) -> Result<Command, ServiceError> {
         self.record(sandbox_id)?;
         self.0.store.get_command(sandbox_id, id)?.ok_or_else(|| {
             ServiceError::NotFound(format!("no command {id} in sandbox {sandbox_id}"))
         })
     }
 
-    pub fn list_commands(&self, sandbox_id: &str) -> Result<Vec<Command>, ServiceError> {
+    pub(super) fn list_commands(&self, sandbox_id: &str) -> Result<Vec<Command>, ServiceError> {
         self.record(sandbox_id)?;
         self.touch(sandbox_id);
         Ok(self.0.store.list_commands(sandbox_id)?)
     }
 
     /// The command once it has ended, or as it is when `wait` runs out (`None`: no limit).
-    pub async fn wait_command(
+    pub(super) async fn wait_command(
         &self,
         sandbox_id: &str,
         id: &str,
@@ -465,7 +465,7 @@ impl Service {
     }
 
     /// `POST …/commands/{cid}/signal`.
-    pub async fn signal_command(
+    pub(super) async fn signal_command(
         &self,
         sandbox_id: &str,
         id: &str,
@@ -503,11 +503,13 @@ impl Service {
 
     /// The output of a command from an offset, as events: chunks, then (once the
     /// command has ended and everything was sent) its end. With `follow`, waits for more.
-    pub fn command_output(
+    /// `hold` (a stream slot of the tenant) is kept until the reader goes away.
+    pub(super) fn command_output(
         &self,
         sandbox_id: &str,
         id: &str,
         q: CommandOutputQuery,
+        hold: Option<super::tenancy::Permit>,
     ) -> Result<mpsc::Receiver<OutputEvent>, ServiceError> {
         self.get_command(sandbox_id, id)?;
         self.touch(sandbox_id);
@@ -517,6 +519,7 @@ impl Service {
         let svc = self.clone();
         let (sandbox_id, id) = (sandbox_id.to_string(), id.to_string());
         tokio::spawn(async move {
+            let _hold = hold;
             let mut progress_rx = live.as_ref().map(|ch| ch.progress.subscribe());
             let mut offset = q.offset;
             loop {
@@ -599,7 +602,7 @@ impl Service {
     }
 
     /// `POST …/stdin`: writes to a command started with `stdin` or `pty`.
-    pub async fn write_stdin(
+    pub(super) async fn write_stdin(
         &self,
         sandbox_id: &str,
         id: &str,
@@ -618,7 +621,7 @@ impl Service {
     }
 
     /// Resizes the pseudo-terminal of a `pty` command.
-    pub async fn resize(
+    pub(super) async fn resize(
         &self,
         sandbox_id: &str,
         id: &str,

@@ -19,7 +19,7 @@ impl Service {
     /// Sends `method path_and_query` (an agent `/v1/files…` URI the API layer
     /// built from validated parts) with `body` to the sandbox's agent and returns
     /// its streamed answer, whatever its status.
-    pub async fn files_request(
+    pub(super) async fn files_request(
         &self,
         sandbox_id: &str,
         method: Method,

@@ -66,22 +66,22 @@ impl Service {
     }
 
     /// `DELETE /v1/sandboxes/{id}`.
-    pub fn destroy_sandbox(&self, id: &str) -> Result<Operation> {
+    pub(super) fn destroy_sandbox(&self, id: &str) -> Result<Operation> {
         self.request_lifecycle(id, OperationKind::Destroy, None)
     }
 
     /// `POST /v1/sandboxes/{id}/pause`.
-    pub fn pause(&self, id: &str) -> Result<Operation> {
+    pub(super) fn pause(&self, id: &str) -> Result<Operation> {
         self.request_lifecycle(id, OperationKind::Pause, None)
     }
 
     /// `POST /v1/sandboxes/{id}/resume`: from `paused` or `suspended`.
-    pub fn resume(&self, id: &str) -> Result<Operation> {
+    pub(super) fn resume(&self, id: &str) -> Result<Operation> {
         self.request_lifecycle(id, OperationKind::Resume, None)
     }
 
     /// `POST /v1/sandboxes/{id}/suspend`.
-    pub fn suspend(&self, id: &str) -> Result<Operation> {
+    pub(super) fn suspend(&self, id: &str) -> Result<Operation> {
         self.request_lifecycle(id, OperationKind::Suspend, None)
     }
 
@@ -107,7 +107,7 @@ impl Service {
                     "sandbox {id} has a {other_kind} operation in progress ({other}); wait for it or cancel it"
                 )));
             }
-            let mut op = new_operation(kind, Some(id));
+            let mut op = new_operation(kind, Some(id), &rec.sandbox.tenant);
             op.progress = progress.map(str::to_owned);
             self.0.store.insert_operation(&op)?;
             unfinished.push((op.id.clone(), kind));
@@ -482,7 +482,7 @@ impl Service {
 
     /// `POST /v1/operations/{id}/cancel`: an operation that has not started can be
     /// cancelled; one that runs cannot (it says so).
-    pub fn cancel_operation(&self, id: &str) -> Result<Operation> {
+    pub(super) fn cancel_operation(&self, id: &str) -> Result<Operation> {
         let op = self.operation(id)?;
         if op.status.is_terminal() {
             return Err(ServiceError::Conflict(format!(

@@ -15,8 +15,10 @@ pub mod output;
 mod reconcile;
 mod retention;
 pub mod runtimes;
+mod scope;
 mod snapshot;
 mod templates;
+pub mod tenancy;
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
@@ -37,6 +39,7 @@ use tokio_util::sync::CancellationToken;
 use agent::{AgentConn, AgentError};
 pub use commands::{CommandOutputQuery, OutputEvent};
 use retention::Activity;
+pub use tenancy::{Limits, Principal, Tenant};
 
 /// How long a booted sandbox's agent may take to dial in.
 const AGENT_CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
@@ -71,6 +74,10 @@ pub struct Config {
     pub platform: String,
     /// Largest file upload (raw bytes, or what a tar upload extracts to).
     pub max_upload_bytes: u64,
+    /// The server's own token (tenant `default`); `None`: API keys only.
+    pub server_token: Option<String>,
+    /// Per-tenant and per-sandbox limits (defaults; some overridable per tenant).
+    pub limits: Limits,
 }
 
 /// What went wrong, in terms an API caller can act on.
@@ -169,6 +176,9 @@ pub(crate) struct Inner {
     /// Held from a command's admission check until its record is stored, so
     /// concurrent creates cannot overshoot a command limit.
     command_admission: Mutex<()>,
+    tenancy: tenancy::Tenancy,
+    /// Failed sandboxes whose records retention is purging now.
+    purging: Mutex<std::collections::HashSet<String>>,
 }
 
 /// The service. Cheap to clone.
@@ -189,6 +199,7 @@ impl Service {
         let store = Store::open(&cfg.data_dir.join("space.db"))?;
         let templates = TemplateStore::new(cfg.templates_dir.clone())?;
         let slots = cfg.max_concurrent_creates.max(1);
+        let tenancy = tenancy::Tenancy::new(cfg.server_token.clone(), cfg.limits.clone());
         let svc = Service(Arc::new(Inner {
             cfg,
             store,
@@ -200,10 +211,13 @@ impl Service {
             create_slots: Semaphore::new(slots),
             pending_ops: Mutex::new(HashMap::new()),
             command_admission: Mutex::new(()),
+            tenancy,
+            purging: Mutex::new(std::collections::HashSet::new()),
         }));
         svc.reconcile().await?;
         svc.remove_stale_build_containers().await;
         svc.spawn_reaper();
+        svc.spawn_revocation_watch();
         Ok(svc)
     }
 
@@ -243,7 +257,11 @@ impl Service {
     // ---- sandboxes ----
 
     /// `POST /v1/sandboxes`: validates, records, and starts the create operation.
-    pub fn create_sandbox(&self, tenant: &str, req: CreateSandboxRequest) -> Result<Operation> {
+    pub(super) fn create_sandbox(
+        &self,
+        tenant: &str,
+        req: CreateSandboxRequest,
+    ) -> Result<Operation> {
         let template_name = req.template.trim().to_string();
         let runtime = req
             .runtime
@@ -332,7 +350,7 @@ impl Service {
             snapshot_dir: None,
             secrets,
         };
-        let op = new_operation(OperationKind::Create, Some(&id));
+        let op = new_operation(OperationKind::Create, Some(&id), tenant);
         self.0.store.insert_sandbox(&rec, &op)?;
         let cancel = CancellationToken::new();
         lock(&self.0.pending_ops).insert(op.id.clone(), cancel.clone());
@@ -657,17 +675,8 @@ impl Service {
         self.forget_handle(&handle.id);
     }
 
-    /// The store, for the API's tenancy checks.
-    pub fn store(&self) -> &Store {
-        &self.0.store
-    }
-
     pub fn max_upload_bytes(&self) -> u64 {
         self.0.cfg.max_upload_bytes
-    }
-
-    pub fn get_sandbox(&self, id: &str) -> Result<Sandbox> {
-        Ok(self.decorate(self.record(id)?.sandbox))
     }
 
     pub(crate) fn record(&self, id: &str) -> Result<SandboxRecord> {
@@ -677,12 +686,16 @@ impl Service {
             .ok_or_else(|| ServiceError::NotFound(format!("no sandbox {id}")))
     }
 
-    /// Every sandbox, optionally only those carrying all of `labels`.
-    pub fn list_sandboxes(&self, labels: &[(String, String)]) -> Result<Vec<Sandbox>> {
+    /// The sandboxes of `tenant`, optionally only those carrying all of `labels`.
+    pub(super) fn list_sandboxes(
+        &self,
+        tenant: &str,
+        labels: &[(String, String)],
+    ) -> Result<Vec<Sandbox>> {
         Ok(self
             .0
             .store
-            .list_sandboxes()?
+            .list_tenant_sandboxes(tenant)?
             .into_iter()
             .map(|r| r.sandbox)
             .filter(|s| labels.iter().all(|(k, v)| s.labels.get(k) == Some(v)))
@@ -692,23 +705,15 @@ impl Service {
 
     // ---- operations ----
 
-    pub fn operation(&self, id: &str) -> Result<Operation> {
+    pub(super) fn operation(&self, id: &str) -> Result<Operation> {
         self.0
             .store
             .get_operation(id)?
             .ok_or_else(|| ServiceError::NotFound(format!("no operation {id}")))
     }
 
-    pub fn list_operations(
-        &self,
-        sandbox_id: Option<&str>,
-        limit: usize,
-    ) -> Result<Vec<Operation>> {
-        Ok(self.0.store.list_operations(sandbox_id, limit)?)
-    }
-
     /// The operation once it has ended, or as it is after `wait`.
-    pub async fn wait_operation(&self, id: &str, wait: Duration) -> Result<Operation> {
+    pub(super) async fn wait_operation(&self, id: &str, wait: Duration) -> Result<Operation> {
         let mut rx = self.0.store.subscribe_events();
         let deadline = tokio::time::Instant::now() + wait;
         loop {
@@ -771,13 +776,14 @@ pub(crate) async fn failpoint_hang(name: &str) {
     }
 }
 
-fn new_operation(kind: OperationKind, sandbox_id: Option<&str>) -> Operation {
+fn new_operation(kind: OperationKind, sandbox_id: Option<&str>, tenant: &str) -> Operation {
     let now = now_rfc3339();
     Operation {
         id: new_id("op"),
         kind,
         status: OperationStatus::Pending,
         sandbox_id: sandbox_id.map(str::to_owned),
+        tenant: tenant.to_owned(),
         template: None,
         error: None,
         progress: None,

@@ -215,7 +215,11 @@ impl Service {
         let op_id = match op {
             Some(o) => o,
             None => {
-                let op = new_operation(OperationKind::Destroy, Some(&rec.sandbox.id));
+                let op = new_operation(
+                    OperationKind::Destroy,
+                    Some(&rec.sandbox.id),
+                    &rec.sandbox.tenant,
+                );
                 self.0.store.insert_operation(&op)?;
                 op.id
             }

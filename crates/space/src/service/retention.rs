@@ -10,7 +10,7 @@
 use std::time::Duration;
 
 use space_api::{KeepaliveRequest, OnIdle, OperationKind, Sandbox, SandboxState};
-use space_core::{format_time, now_rfc3339};
+use space_core::format_time;
 use time::format_description::well_known::Rfc3339;
 use time::OffsetDateTime;
 
@@ -28,7 +28,13 @@ pub(crate) const MAX_TTL_SECONDS: u64 = 365 * 24 * 3600;
 pub(crate) struct Activity {
     at: OffsetDateTime,
     persisted: OffsetDateTime,
+    /// When a keepalive last became an event: a keepalive storm writes at most one
+    /// event per sandbox per [`KEEPALIVE_EVENT_EVERY`].
+    evented: OffsetDateTime,
 }
+
+/// Keepalives of one sandbox become an event at most this often.
+const KEEPALIVE_EVENT_EVERY: Duration = Duration::from_secs(10);
 
 pub(crate) fn parse_time(s: &str) -> Option<OffsetDateTime> {
     OffsetDateTime::parse(s, &Rfc3339).ok()
@@ -47,6 +53,7 @@ impl Service {
             let entry = map.entry(id.to_string()).or_insert(Activity {
                 at: now,
                 persisted: OffsetDateTime::UNIX_EPOCH,
+                evented: OffsetDateTime::UNIX_EPOCH,
             });
             entry.at = now;
             let due = now - entry.persisted >= PERSIST_EVERY;
@@ -56,10 +63,11 @@ impl Service {
             due
         };
         if persist {
-            if let Ok(mut rec) = self.record(id) {
-                rec.sandbox.last_active_at = Some(format_time(now));
-                let _ = self.0.store.touch_sandbox(&rec);
-            }
+            // One field set in place: never a read-modify-write of the whole sandbox.
+            let _ = self
+                .0
+                .store
+                .set_sandbox_times(id, &format_time(now), None, false);
         }
     }
 
@@ -74,30 +82,60 @@ impl Service {
     }
 
     /// `POST /v1/sandboxes/{id}/keepalive`.
-    pub fn keepalive(&self, id: &str, req: KeepaliveRequest) -> Result<Sandbox> {
-        let mut rec = self.record(id)?;
+    pub(super) fn keepalive(&self, id: &str, req: KeepaliveRequest) -> Result<Sandbox> {
+        let rec = self.record(id)?;
+        let refused = || {
+            ServiceError::Conflict(format!(
+                "sandbox {id} is {}: there is nothing to keep alive",
+                rec.sandbox.state
+            ))
+        };
         if matches!(
             rec.sandbox.state,
             SandboxState::Destroying | SandboxState::Destroyed | SandboxState::Failed
         ) {
+            return Err(refused());
+        }
+        if let Some(ttl) = req.ttl_seconds {
+            check_lifetime("ttl_seconds", ttl)?;
+        }
+        let now = OffsetDateTime::now_utc();
+        let ttl = req.ttl_seconds.or(rec.sandbox.ttl_seconds);
+        let expires = ttl.map(|ttl| format_time(plus(now, ttl)));
+        // A storm of keepalives writes a handful of events, not one full document each.
+        let event = {
+            let mut map = lock(&self.0.activity);
+            let entry = map.entry(id.to_string()).or_insert(Activity {
+                at: now,
+                persisted: now,
+                evented: OffsetDateTime::UNIX_EPOCH,
+            });
+            entry.at = now;
+            entry.persisted = now;
+            let due = req
+                .ttl_seconds
+                .is_some_and(|t| Some(t) != rec.sandbox.ttl_seconds)
+                || now - entry.evented >= KEEPALIVE_EVENT_EVERY;
+            if due {
+                entry.evented = now;
+            }
+            due
+        };
+        let set = self.0.store.set_sandbox_times(
+            id,
+            &format_time(now),
+            expires.as_deref().zip(ttl),
+            event,
+        )?;
+        if !set {
+            // It began to be destroyed (or failed) since it was read.
+            let rec = self.record(id)?;
             return Err(ServiceError::Conflict(format!(
                 "sandbox {id} is {}: there is nothing to keep alive",
                 rec.sandbox.state
             )));
         }
-        if let Some(ttl) = req.ttl_seconds {
-            check_lifetime("ttl_seconds", ttl)?;
-            rec.sandbox.ttl_seconds = Some(ttl);
-        }
-        let now = OffsetDateTime::now_utc();
-        if let Some(ttl) = rec.sandbox.ttl_seconds {
-            rec.sandbox.expires_at = Some(format_time(plus(now, ttl)));
-        }
-        rec.sandbox.last_active_at = Some(format_time(now));
-        rec.sandbox.updated_at = now_rfc3339();
-        self.0.store.update_sandbox(&rec)?;
-        self.touch(id);
-        Ok(self.decorate(rec.sandbox))
+        Ok(self.decorate(self.record(id)?.sandbox))
     }
 
     /// Fills in what is computed rather than stored: cost and the idle deadline.
@@ -140,6 +178,37 @@ impl Service {
         });
     }
 
+    /// Releases whatever a failed sandbox may still hold (its runtime already let go
+    /// when it failed) and purges its records and output.
+    fn spawn_purge_failed(&self, id: String) {
+        {
+            let mut purging = lock(&self.0.purging);
+            if !purging.insert(id.clone()) {
+                return;
+            }
+        }
+        let svc = self.clone();
+        tokio::spawn(async move {
+            let handle = svc.handle(&id);
+            let _lifecycle = handle.lifecycle.lock().await;
+            let still_failed = svc
+                .record(&id)
+                .is_ok_and(|r| r.sandbox.state == SandboxState::Failed);
+            if still_failed {
+                tracing::info!(sandbox = %id, "purging the records of a failed sandbox");
+                let cleaned = svc.rt(&id).destroy(&id, &svc.sandbox_dir(&id)).await;
+                let _ = tokio::fs::remove_dir_all(svc.snapshot_dir(&id)).await;
+                if cleaned.is_ok() && svc.0.store.purge_sandbox(&id).is_ok() {
+                    let _ = tokio::fs::remove_dir_all(svc.outputs_root().join(&id)).await;
+                    lock(&svc.0.activity).remove(&id);
+                }
+            }
+            drop(_lifecycle);
+            svc.forget_handle(&id);
+            lock(&svc.0.purging).remove(&id);
+        });
+    }
+
     fn reap_once(&self) {
         let Ok(records) = self.0.store.list_sandboxes() else {
             return;
@@ -160,6 +229,15 @@ impl Service {
                         }
                     }
                     continue;
+                }
+                SandboxState::Failed => {
+                    // A failed sandbox holds records and output (and counts against its
+                    // tenant's sandboxes) until it is destroyed, or until retention ends.
+                    let failed = parse_time(&sb.updated_at);
+                    if failed.is_some_and(|t| now - t > retention) {
+                        self.spawn_purge_failed(sb.id.clone());
+                        continue;
+                    }
                 }
                 SandboxState::Destroying => continue,
                 _ => {}
@@ -221,9 +299,6 @@ pub(crate) fn expiry(ttl: Option<u64>) -> Option<String> {
 
 impl Service {
     /// Events after `after`, oldest first (the log behind `GET /v1/events`).
-    pub fn events_after(&self, after: i64, limit: usize) -> Result<Vec<space_api::Event>> {
-        Ok(self.0.store.events_after(after, limit)?)
-    }
 
     /// Watches the id of the newest event.
     pub fn subscribe_events(&self) -> tokio::sync::watch::Receiver<i64> {

@@ -21,7 +21,7 @@ const MAX_SNAPSHOT_BYTES: u64 = 64 << 30;
 const MAX_SNAPSHOT_ENTRIES: u64 = 2_000_000;
 
 impl Service {
-    pub fn snapshot_template(&self, sandbox_id: &str, name: &str) -> Result<Operation> {
+    pub(super) fn snapshot_template(&self, sandbox_id: &str, name: &str) -> Result<Operation> {
         let rec = self.record(sandbox_id)?;
         if rec.sandbox.state != SandboxState::Running {
             return Err(ServiceError::Conflict(format!(
@@ -43,7 +43,7 @@ impl Service {
             }
             _ => {}
         }
-        let mut op = new_operation(OperationKind::Build, Some(sandbox_id));
+        let mut op = new_operation(OperationKind::Build, Some(sandbox_id), &rec.sandbox.tenant);
         op.template = Some(name.to_owned());
         self.0.store.insert_operation(&op)?;
         tracing::info!(sandbox = %sandbox_id, operation = %op.id, template = %name, "snapshot-template requested");

@@ -21,7 +21,7 @@ const START_TAIL_LINES: usize = 20;
 
 impl Service {
     /// Where the build log of operation `op_id` is kept.
-    pub fn build_log_path(&self, op_id: &str) -> PathBuf {
+    pub(super) fn build_log_path(&self, op_id: &str) -> PathBuf {
         self.0
             .cfg
             .data_dir
@@ -30,7 +30,7 @@ impl Service {
     }
 
     /// `POST /v1/templates`: checks the recipe and starts a `build` operation.
-    pub fn build_template(&self, recipe: Recipe) -> Result<Operation> {
+    pub(super) fn build_template(&self, tenant: &str, recipe: Recipe) -> Result<Operation> {
         let recipe =
             build::validate(recipe, &self.0.cfg.template_import_dirs).map_err(|e| match e {
                 RecipeError::Invalid(m) => ServiceError::BadRequest(m),
@@ -47,7 +47,7 @@ impl Service {
                 Err(e) => return Err(ServiceError::Internal(error_chain(&e))),
             }
         }
-        let mut op = new_operation(OperationKind::Build, None);
+        let mut op = new_operation(OperationKind::Build, None, tenant);
         op.template = Some(recipe.name().to_owned());
         let log = BuildLog::create(&self.build_log_path(&op.id))
             .map_err(|e| ServiceError::Internal(format!("creating the build log: {e}")))?;
@@ -138,7 +138,7 @@ impl Service {
     }
 
     /// `GET /v1/templates`.
-    pub fn list_templates(&self) -> Result<Vec<space_api::Template>> {
+    pub(super) fn list_templates(&self) -> Result<Vec<space_api::Template>> {
         let list = self
             .0
             .templates
@@ -161,7 +161,7 @@ impl Service {
 
     /// `DELETE /v1/templates/{name}`: every version, unless a sandbox that is not destroyed
     /// uses one (409). Built-in templates are refused (409).
-    pub async fn delete_template(&self, name: &str) -> Result<()> {
+    pub(super) async fn delete_template(&self, name: &str) -> Result<()> {
         let not_found = || ServiceError::NotFound(format!("no template {name:?}"));
         match self.0.templates.get(name) {
             Ok(_) => {}

@@ -1,0 +1,368 @@
+//! The service as one tenant sees it: every action a front door may take.
+//!
+//! A front door (the v1 HTTP API, and the E2B API and MCP server that come
+//! next) authenticates a [`Principal`](super::tenancy::Principal), then calls
+//! [`Service::for_tenant`] and one method per action. Each method checks
+//! ownership *here*, on the decoded id of what it acts on: another tenant's
+//! sandbox, operation, command or template, an id that does not parse, and one
+//! that does not exist all answer the same 404, and nothing is changed. The
+//! unscoped methods of [`Service`] are private to the service module.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Method, Response};
+use hyper::body::Incoming;
+use space_api::{
+    Command, CreateCommandRequest, CreateSandboxRequest, Event, KeepaliveRequest, Operation,
+    Sandbox, Template,
+};
+use space_runtime::build::Recipe;
+use space_store::SandboxRecord;
+use tokio::sync::mpsc;
+
+use super::agent::HostBody;
+use super::tenancy::{template_visible, Permit, Tenant};
+use super::{truncate, CommandOutputQuery, OutputEvent, Result, Service, ServiceError};
+
+/// The service, acting for one tenant. Cheap; make one per request.
+#[derive(Clone, Copy)]
+pub struct TenantService<'a> {
+    svc: &'a Service,
+    tenant: &'a Tenant,
+}
+
+impl Service {
+    /// Everything `tenant` may do, with ownership checked on every call.
+    pub fn for_tenant<'a>(&'a self, tenant: &'a Tenant) -> TenantService<'a> {
+        TenantService { svc: self, tenant }
+    }
+}
+
+fn no_sandbox(id: &str) -> ServiceError {
+    ServiceError::NotFound(format!("no sandbox {}", truncate(id, 64)))
+}
+
+fn no_operation(id: &str) -> ServiceError {
+    ServiceError::NotFound(format!("no operation {}", truncate(id, 64)))
+}
+
+fn no_template(name: &str) -> ServiceError {
+    ServiceError::NotFound(format!("no template {:?}", truncate(name, 64)))
+}
+
+impl<'a> TenantService<'a> {
+    /// The caller's sandbox `id`, or the one 404 for unknown, foreign and malformed ids.
+    fn sandbox(&self, id: &str) -> Result<SandboxRecord> {
+        if !space_core::is_valid_id(id, "sb") {
+            return Err(no_sandbox(id));
+        }
+        match self.svc.0.store.get_sandbox(id)? {
+            Some(rec) if rec.sandbox.tenant == self.tenant.as_str() => Ok(rec),
+            _ => Err(no_sandbox(id)),
+        }
+    }
+
+    /// The caller's sandbox `id` and a well-formed command id in it.
+    fn command(&self, id: &str, cid: &str) -> Result<SandboxRecord> {
+        let rec = self.sandbox(id)?;
+        if !space_core::is_valid_id(cid, "cmd") {
+            return Err(ServiceError::NotFound(format!(
+                "no command {} in sandbox {id}",
+                truncate(cid, 64)
+            )));
+        }
+        Ok(rec)
+    }
+
+    /// The caller's operation `id`.
+    fn operation(&self, id: &str) -> Result<Operation> {
+        if !space_core::is_valid_id(id, "op") {
+            return Err(no_operation(id));
+        }
+        match self.svc.0.store.get_operation(id)? {
+            Some(op) if op.tenant == self.tenant.as_str() => Ok(op),
+            _ => Err(no_operation(id)),
+        }
+    }
+
+    /// Whether the caller may see and use the template `name` (built in, or its own).
+    fn template_visible(&self, name: &str) -> Result<bool> {
+        template_visible(&self.svc.0.store, self.tenant, name)
+    }
+
+    /// 404 unless `id` is the caller's sandbox.
+    pub fn check_sandbox(&self, id: &str) -> Result<()> {
+        self.sandbox(id).map(drop)
+    }
+
+    /// 404 unless `id` is the caller's sandbox and `cid` could be a command in it.
+    pub fn check_command(&self, id: &str, cid: &str) -> Result<()> {
+        self.command(id, cid).map(drop)
+    }
+
+    /// 404 unless `id` is the caller's operation.
+    pub fn check_operation(&self, id: &str) -> Result<()> {
+        self.operation(id).map(drop)
+    }
+
+    /// 404 unless the caller may see the template `name`.
+    pub fn check_template(&self, name: &str) -> Result<()> {
+        match self.template_visible(name)? {
+            true => Ok(()),
+            false => Err(no_template(name)),
+        }
+    }
+
+    // ---- sandboxes ----
+
+    /// `POST /v1/sandboxes`: admitted against the tenant's sandbox count and create rate.
+    pub async fn create_sandbox(&self, req: CreateSandboxRequest) -> Result<Operation> {
+        self.svc
+            .admit_create(self.tenant, || {
+                // Another tenant's template is as unknown as one that does not exist.
+                let name = req.template.trim();
+                if !self.template_visible(name)? {
+                    return Err(ServiceError::NotFound(format!(
+                        "unknown template {:?}",
+                        truncate(name, 64)
+                    )));
+                }
+                self.svc.create_sandbox(self.tenant.as_str(), req)
+            })
+            .await
+    }
+
+    pub fn get_sandbox(&self, id: &str) -> Result<Sandbox> {
+        Ok(self.svc.decorate(self.sandbox(id)?.sandbox))
+    }
+
+    /// The tenant's sandboxes, optionally only those carrying all of `labels`.
+    pub fn list_sandboxes(&self, labels: &[(String, String)]) -> Result<Vec<Sandbox>> {
+        self.svc.list_sandboxes(self.tenant.as_str(), labels)
+    }
+
+    pub fn destroy_sandbox(&self, id: &str) -> Result<Operation> {
+        self.sandbox(id)?;
+        self.svc.destroy_sandbox(id)
+    }
+
+    pub fn pause(&self, id: &str) -> Result<Operation> {
+        self.sandbox(id)?;
+        self.svc.pause(id)
+    }
+
+    pub fn resume(&self, id: &str) -> Result<Operation> {
+        self.sandbox(id)?;
+        self.svc.resume(id)
+    }
+
+    pub fn suspend(&self, id: &str) -> Result<Operation> {
+        self.sandbox(id)?;
+        self.svc.suspend(id)
+    }
+
+    pub fn keepalive(&self, id: &str, req: KeepaliveRequest) -> Result<Sandbox> {
+        self.sandbox(id)?;
+        self.svc.keepalive(id, req)
+    }
+
+    /// `POST /v1/sandboxes/{id}/snapshot-template {name}`: the name becomes the tenant's.
+    pub async fn snapshot_template(&self, id: &str, name: &str) -> Result<Operation> {
+        self.sandbox(id)?;
+        self.svc
+            .admit_build(self.tenant, || {
+                let claimed = self.svc.claim_template(self.tenant, name)?;
+                let r = self.svc.snapshot_template(id, name);
+                if r.is_err() && claimed {
+                    self.svc.unclaim_template(name);
+                }
+                r
+            })
+            .await
+    }
+
+    // ---- commands ----
+
+    /// `POST /v1/sandboxes/{id}/commands`: admitted against the sandbox's and the
+    /// tenant's running commands.
+    pub async fn create_command(&self, id: &str, req: CreateCommandRequest) -> Result<Command> {
+        self.sandbox(id)?;
+        let tenant = self.tenant;
+        self.svc
+            .create_command_admitted(id, req, || self.svc.admit_command(tenant, id))
+            .await
+    }
+
+    pub fn list_commands(&self, id: &str) -> Result<Vec<Command>> {
+        self.sandbox(id)?;
+        self.svc.list_commands(id)
+    }
+
+    /// The command once it has ended, or as it is after `wait`.
+    pub async fn get_command(&self, id: &str, cid: &str, wait: Duration) -> Result<Command> {
+        self.command(id, cid)?;
+        self.svc.wait_command(id, cid, Some(wait)).await
+    }
+
+    pub async fn signal_command(&self, id: &str, cid: &str, signal: i32) -> Result<Command> {
+        self.command(id, cid)?;
+        self.svc.signal_command(id, cid, signal).await
+    }
+
+    /// A command's output from an offset; a followed one counts as an open stream.
+    pub fn command_output(
+        &self,
+        id: &str,
+        cid: &str,
+        q: CommandOutputQuery,
+    ) -> Result<mpsc::Receiver<OutputEvent>> {
+        self.command(id, cid)?;
+        let permit = match q.follow {
+            true => Some(self.svc.admit_stream(self.tenant)?),
+            false => None,
+        };
+        self.svc.command_output(id, cid, q, permit)
+    }
+
+    pub async fn write_stdin(&self, id: &str, cid: &str, data: Bytes, eof: bool) -> Result<()> {
+        self.command(id, cid)?;
+        self.svc.write_stdin(id, cid, data, eof).await
+    }
+
+    pub async fn resize(&self, id: &str, cid: &str, rows: u16, cols: u16) -> Result<()> {
+        self.command(id, cid)?;
+        self.svc.resize(id, cid, rows, cols).await
+    }
+
+    // ---- files ----
+
+    /// A file request to the sandbox's agent (see [`Service::files_request`]).
+    pub async fn files_request(
+        &self,
+        id: &str,
+        method: Method,
+        path_and_query: &str,
+        content_type: Option<&str>,
+        body: HostBody,
+    ) -> Result<Response<Incoming>> {
+        self.sandbox(id)?;
+        self.svc
+            .files_request(id, method, path_and_query, content_type, body)
+            .await
+    }
+
+    /// A slot for one large request body (an upload, a recipe), held while it is read
+    /// and used: 429 past the tenant's limit.
+    pub fn admit_upload(&self) -> Result<Permit> {
+        self.svc.admit_upload(self.tenant)
+    }
+
+    /// A slot for one long-lived response (429 past the tenant's limit).
+    pub fn admit_stream(&self) -> Result<Permit> {
+        self.svc.admit_stream(self.tenant)
+    }
+
+    // ---- operations ----
+
+    /// The operation once it has ended, or as it is after `wait`.
+    pub async fn get_operation(&self, id: &str, wait: Duration) -> Result<Operation> {
+        self.operation(id)?;
+        self.svc.wait_operation(id, wait).await
+    }
+
+    /// The tenant's operations, newest first, optionally of one of its sandboxes.
+    pub fn list_operations(
+        &self,
+        sandbox_id: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<Operation>> {
+        Ok(self
+            .svc
+            .0
+            .store
+            .list_operations(self.tenant.as_str(), sandbox_id, limit)?)
+    }
+
+    pub fn cancel_operation(&self, id: &str) -> Result<Operation> {
+        self.operation(id)?;
+        self.svc.cancel_operation(id)
+    }
+
+    /// Where a build operation's log is, and whether the operation has ended.
+    pub fn build_log(&self, id: &str) -> Result<std::path::PathBuf> {
+        self.operation(id)?;
+        let path = self.svc.build_log_path(id);
+        if !path.exists() {
+            return Err(ServiceError::NotFound(format!(
+                "operation {id} has no log (only template builds have one)"
+            )));
+        }
+        Ok(path)
+    }
+
+    /// Whether operation `id` (the caller's) has ended.
+    pub fn operation_ended(&self, id: &str) -> Result<bool> {
+        Ok(self.operation(id)?.status.is_terminal())
+    }
+
+    // ---- templates ----
+
+    /// Built-in templates and the tenant's own.
+    pub fn list_templates(&self) -> Result<Vec<Template>> {
+        let mut visible = Vec::new();
+        for t in self.svc.list_templates()? {
+            if self.template_visible(&t.name)? {
+                visible.push(t);
+            }
+        }
+        Ok(visible)
+    }
+
+    /// `POST /v1/templates`: the recipe's name becomes the tenant's.
+    pub async fn build_template(&self, recipe: Recipe) -> Result<Operation> {
+        if let Some(base) = recipe.base.strip_prefix("template:") {
+            if !self.template_visible(base)? {
+                return Err(ServiceError::BadRequest(format!(
+                    "unknown base template {:?}",
+                    truncate(base, 64)
+                )));
+            }
+        }
+        self.svc
+            .admit_build(self.tenant, || {
+                let name = recipe.name.clone();
+                let claimed = self.svc.claim_template(self.tenant, &name)?;
+                let r = self.svc.build_template(self.tenant.as_str(), recipe);
+                if r.is_err() && claimed {
+                    self.svc.unclaim_template(&name);
+                }
+                r
+            })
+            .await
+    }
+
+    /// `DELETE /v1/templates/{name}`: the tenant's own templates only.
+    pub async fn delete_template(&self, name: &str) -> Result<()> {
+        if !self.template_visible(name)? {
+            return Err(no_template(name));
+        }
+        self.svc.delete_template(name).await.map_err(|e| match e {
+            ServiceError::NotFound(_) => no_template(name),
+            e => e,
+        })?;
+        self.svc.unclaim_template(name);
+        Ok(())
+    }
+
+    // ---- events ----
+
+    /// The tenant's events after `after`, oldest first, at most `limit`.
+    pub fn events_after(&self, after: i64, limit: usize) -> Result<Vec<Event>> {
+        Ok(self
+            .svc
+            .0
+            .store
+            .events_after(self.tenant.as_str(), after, limit)?)
+    }
+}
