@@ -47,9 +47,61 @@ fn on_path(name: &str) -> Option<PathBuf> {
     crate::which(Path::new(name))
 }
 
+/// Descriptors `space serve` wants: every sandbox, agent connection, stream and
+/// client holds some.
+pub const WANTED_NOFILE: u64 = 65_536;
+
+/// Raises the soft `RLIMIT_NOFILE` to the hard one (and the hard one to
+/// [`WANTED_NOFILE`] when it is lower and we may); returns (soft, hard) after.
+pub fn raise_nofile() -> (u64, u64) {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: plain syscalls on a struct we own.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) != 0 {
+            return (0, 0);
+        }
+        let want = lim.rlim_max.max(WANTED_NOFILE as libc::rlim_t);
+        let raised = libc::rlimit {
+            rlim_cur: want,
+            rlim_max: want,
+        };
+        if libc::setrlimit(libc::RLIMIT_NOFILE, &raised) != 0 {
+            let soft = libc::rlimit {
+                rlim_cur: lim.rlim_max,
+                rlim_max: lim.rlim_max,
+            };
+            libc::setrlimit(libc::RLIMIT_NOFILE, &soft);
+        }
+        libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim);
+    }
+    (lim.rlim_cur as u64, lim.rlim_max as u64)
+}
+
 /// Runs every check; returns the process exit code.
 pub fn run(runsc: &Path, data_dir: &Path, guest_dir: &Path) -> i32 {
     let mut r = Report { worst: Level::Ok };
+
+    // Open files: what `space serve` will be able to raise its limit to.
+    let (soft, hard) = raise_nofile();
+    if soft >= WANTED_NOFILE {
+        r.line(
+            Level::Ok,
+            "nofile",
+            format!("RLIMIT_NOFILE {soft} (hard {hard}): space serve raises its soft limit to this at start"),
+        );
+    } else {
+        r.line(
+            Level::Warn,
+            "nofile",
+            format!(
+                "RLIMIT_NOFILE can only reach {soft} (hard {hard}); space serve wants {WANTED_NOFILE}: \
+                 raise the hard limit (LimitNOFILE= in its systemd unit, or ulimit -Hn)"
+            ),
+        );
+    }
 
     // gVisor.
     match first_line(runsc, &["--version"]) {

@@ -5,6 +5,7 @@ mod cli;
 mod cli_files;
 mod doctor;
 mod keys;
+mod listen;
 mod service;
 mod tty;
 
@@ -199,6 +200,15 @@ struct ServeArgs {
     /// Large request bodies (file uploads, recipes) one tenant may send at once (429 past it).
     #[arg(long, default_value_t = 8)]
     tenant_max_uploads: u64,
+    /// Seconds a client has to send a request head (on a new or kept-alive connection).
+    #[arg(long, default_value_t = 10)]
+    header_read_timeout_seconds: u64,
+    /// Seconds a request body may stall between two chunks before the request fails.
+    #[arg(long, default_value_t = 60)]
+    body_idle_timeout_seconds: u64,
+    /// Connections one client address may hold open (past it: 429, closed at once).
+    #[arg(long, default_value_t = 256)]
+    max_connections_per_ip: usize,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -390,6 +400,9 @@ fn init_tracing() {
 }
 
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    // Every sandbox, agent connection, stream and client holds descriptors.
+    let (soft, hard) = doctor::raise_nofile();
+    tracing::info!(soft, hard, "open file limit (RLIMIT_NOFILE)");
     let token: Option<String> = if args.dev {
         if !args.listen.ip().is_loopback() {
             bail!(
@@ -501,16 +514,15 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let shutdown = async {
         shutdown_signal().await;
         tracing::info!("shutting down: finishing requests for up to 5 s");
-        // Long-polls and followed output streams would hold a graceful shutdown open forever.
-        tokio::spawn(async {
-            tokio::time::sleep(std::time::Duration::from_secs(5)).await;
-            tracing::info!("stopped; sandboxes keep running and are re-adopted on the next start");
-            std::process::exit(0);
-        });
     };
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown)
-        .await?;
+    let bounds = listen::Bounds {
+        header_read_timeout: std::time::Duration::from_secs(
+            args.header_read_timeout_seconds.max(1),
+        ),
+        body_idle_timeout: std::time::Duration::from_secs(args.body_idle_timeout_seconds.max(1)),
+        max_connections_per_ip: args.max_connections_per_ip.max(1),
+    };
+    listen::serve(listener, app, bounds, shutdown).await;
     tracing::info!("stopped; sandboxes keep running and are re-adopted on the next start");
     Ok(())
 }

@@ -14,6 +14,8 @@
 //! Each passing case prints `hostile: <case> passed on <runtime>`.
 //! What each case shows, and where the runtimes differ, is in docs/SECURITY.md.
 
+#[path = "hostile/api.rs"]
+mod api;
 mod common;
 
 use std::collections::BTreeSet;

@@ -1,0 +1,215 @@
+//! The HTTP listener: hyper's HTTP/1.1 server with the bounds a server that faces
+//! untrusted clients needs, which `axum::serve` does not set.
+//!
+//! - A request head must arrive within [`Bounds::header_read_timeout`] of the
+//!   connection's start (or of the previous response, on a kept-alive connection);
+//!   a client that sends half a head and stalls is dropped.
+//! - A request body that stalls for [`Bounds::body_idle_timeout`] between two chunks
+//!   ends the request with an error.
+//! - One client address holds at most [`Bounds::max_connections_per_ip`]
+//!   connections; past it a new connection gets a fixed `429` and is closed at
+//!   once, without reading anything.
+//! - Accept errors (out of file descriptors) back off instead of spinning.
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::future::Future;
+use std::net::IpAddr;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::Router;
+use bytes::Bytes;
+use http_body::{Frame, SizeHint};
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpListener;
+use tower::ServiceExt;
+
+/// What a client may hold.
+#[derive(Debug, Clone)]
+pub struct Bounds {
+    pub header_read_timeout: Duration,
+    pub body_idle_timeout: Duration,
+    pub max_connections_per_ip: usize,
+}
+
+impl Default for Bounds {
+    fn default() -> Self {
+        Bounds {
+            header_read_timeout: Duration::from_secs(10),
+            body_idle_timeout: Duration::from_secs(60),
+            max_connections_per_ip: 256,
+        }
+    }
+}
+
+/// Connections per client address.
+#[derive(Default)]
+struct PerIp(Mutex<HashMap<IpAddr, usize>>);
+
+struct Held {
+    table: Arc<PerIp>,
+    ip: IpAddr,
+}
+
+impl PerIp {
+    fn hold(table: &Arc<PerIp>, ip: IpAddr, max: usize) -> Option<Held> {
+        let mut map = table.0.lock().unwrap_or_else(|p| p.into_inner());
+        let n = map.entry(ip).or_insert(0);
+        if *n >= max {
+            return None;
+        }
+        *n += 1;
+        Some(Held {
+            table: table.clone(),
+            ip,
+        })
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        let mut map = self.table.0.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = map.get_mut(&self.ip) {
+            *n -= 1;
+            if *n == 0 {
+                map.remove(&self.ip);
+            }
+        }
+    }
+}
+
+/// The answer to a connection past its address's limit, written without reading.
+fn too_many(max: usize) -> Bytes {
+    let body = serde_json::json!({"error": {
+        "code": "too_many_requests",
+        "message": format!("too many connections from this address: the limit is {max}"),
+    }})
+    .to_string();
+    Bytes::from(format!(
+        "HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\nretry-after: 1\r\n\
+         connection: close\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    ))
+}
+
+/// How long a shutdown waits for requests in flight.
+const DRAIN: Duration = Duration::from_secs(5);
+
+/// Serves `app` on `listener` until `shutdown` resolves, then gives the requests in
+/// flight up to [`DRAIN`] to finish.
+pub async fn serve(
+    listener: TcpListener,
+    app: Router,
+    bounds: Bounds,
+    shutdown: impl Future<Output = ()>,
+) {
+    let per_ip = Arc::new(PerIp::default());
+    let refusal = too_many(bounds.max_connections_per_ip);
+    let tracker = tokio_util::task::TaskTracker::new();
+    let mut builder = hyper::server::conn::http1::Builder::new();
+    builder
+        .timer(TokioTimer::new())
+        .header_read_timeout(bounds.header_read_timeout);
+    let builder = Arc::new(builder);
+    tokio::pin!(shutdown);
+    loop {
+        let (stream, peer) = tokio::select! {
+            r = listener.accept() => match r {
+                Ok(c) => c,
+                Err(e) => {
+                    // EMFILE/ENFILE: others must let go of descriptors first.
+                    tracing::warn!(error = %e, "accepting a connection failed; backing off");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            },
+            _ = &mut shutdown => break,
+        };
+        let _ = stream.set_nodelay(true);
+        let Some(held) = PerIp::hold(&per_ip, peer.ip(), bounds.max_connections_per_ip) else {
+            let refusal = refusal.clone();
+            tokio::spawn(async move {
+                let mut stream = stream;
+                let _ =
+                    tokio::time::timeout(Duration::from_secs(2), stream.write_all(&refusal)).await;
+                let _ = stream.shutdown().await;
+            });
+            continue;
+        };
+        let app = app.clone();
+        let builder = builder.clone();
+        let idle = bounds.body_idle_timeout;
+        tracker.spawn(async move {
+            let _held = held;
+            let service = hyper::service::service_fn(move |req: http::Request<Incoming>| {
+                let req = req.map(|b| Body::new(IdleTimeout::new(b, idle)));
+                let app = app.clone();
+                async move { Ok::<_, Infallible>(app.oneshot(req).await.unwrap_or_else(|e| match e {})) }
+            });
+            let _ = builder
+                .serve_connection(TokioIo::new(stream), service)
+                .with_upgrades()
+                .await;
+        });
+    }
+    tracker.close();
+    let _ = tokio::time::timeout(DRAIN, tracker.wait()).await;
+}
+
+/// A request body that fails when no chunk arrives for `idle`.
+struct IdleTimeout {
+    inner: Incoming,
+    idle: Duration,
+    sleep: Pin<Box<tokio::time::Sleep>>,
+}
+
+impl IdleTimeout {
+    fn new(inner: Incoming, idle: Duration) -> IdleTimeout {
+        IdleTimeout {
+            inner,
+            idle,
+            sleep: Box::pin(tokio::time::sleep(idle)),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("the request body stalled for {0:?}")]
+struct BodyStalled(Duration);
+
+impl http_body::Body for IdleTimeout {
+    type Data = Bytes;
+    type Error = Box<dyn std::error::Error + Send + Sync>;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        let this = &mut *self;
+        match Pin::new(&mut this.inner).poll_frame(cx) {
+            Poll::Ready(frame) => {
+                let deadline = tokio::time::Instant::now() + this.idle;
+                this.sleep.as_mut().reset(deadline);
+                Poll::Ready(frame.map(|f| f.map_err(Into::into)))
+            }
+            Poll::Pending => match this.sleep.as_mut().poll(cx) {
+                Poll::Ready(()) => Poll::Ready(Some(Err(Box::new(BodyStalled(this.idle))))),
+                Poll::Pending => Poll::Pending,
+            },
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
