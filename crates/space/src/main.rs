@@ -162,6 +162,11 @@ struct ServeArgs {
     /// result says output_truncated (0: keep everything).
     #[arg(long, default_value_t = 64)]
     output_cap_mib: u64,
+    /// Output all the commands of one sandbox may keep on the host together, MiB: running
+    /// commands share it, and past it the output of finished commands goes, oldest first
+    /// (0: no budget).
+    #[arg(long, default_value_t = 1024)]
+    sandbox_output_mib: u64,
     /// A host directory that template recipes may import from (`dir:`, `tar:`, `oci:` bases);
     /// repeatable. None by default: such recipes are refused.
     #[arg(long = "template-import-dir")]
@@ -484,6 +489,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         default_command_timeout_seconds: args.default_command_timeout_seconds,
         max_command_timeout_seconds: args.max_command_timeout_seconds,
         output_cap_bytes: args.output_cap_mib.saturating_mul(1 << 20),
+        sandbox_output_budget_bytes: args.sandbox_output_mib.saturating_mul(1 << 20),
         template_import_dirs: args.template_import_dirs.clone(),
         runsc: args.runsc.clone(),
         platform: args.platform.clone(),

@@ -17,6 +17,8 @@
 #[path = "hostile/api.rs"]
 mod api;
 mod common;
+#[path = "hostile/storage.rs"]
+mod storage;
 
 use std::collections::BTreeSet;
 use std::os::unix::fs::MetadataExt;

@@ -214,8 +214,12 @@ impl Service {
             // No await from the check to the insert: the lock is held across neither.
             let _admission = lock(&self.0.command_admission);
             admit()?;
-            let writer = OutputWriter::open(&dir, self.0.cfg.output_cap_bytes)
-                .map_err(|e| ServiceError::Internal(format!("creating output files: {e}")))?;
+            let writer = OutputWriter::open(
+                &dir,
+                self.0.cfg.output_cap_bytes,
+                Some(handle.output.clone()),
+            )
+            .map_err(|e| ServiceError::Internal(format!("creating output files: {e}")))?;
             self.0.store.insert_command(&rec.sandbox.tenant, &cmd)?;
             writer
         };
@@ -309,7 +313,11 @@ impl Service {
     /// Restarts the session of a command that was running when the server stopped.
     pub(crate) fn resume_command_session(&self, handle: &Arc<SandboxHandle>, cmd: Command) {
         let dir = self.command_dir(&cmd.sandbox_id, &cmd.id);
-        match OutputWriter::open(&dir, self.0.cfg.output_cap_bytes) {
+        match OutputWriter::open(
+            &dir,
+            self.0.cfg.output_cap_bytes,
+            Some(handle.output.clone()),
+        ) {
             Ok(writer) => {
                 let ch = self.register_command(
                     &cmd.sandbox_id,
@@ -397,6 +405,10 @@ impl Service {
             ch.progress.send_modify(|p| p.done = true);
         }
         drop(_guard);
+        // A finished command's output may now go to keep the sandbox within its budget.
+        if let Some(h) = self.live_handle(sandbox_id) {
+            h.note_output(true);
+        }
         // The end of a command is activity: the idle timer starts now.
         self.touch(sandbox_id);
     }
@@ -808,14 +820,16 @@ async fn pump(
             };
             match frame {
                 Frame::Stdout { offset, data } => {
-                    if let Err(e) = append_checked(writer, Stream::Stdout, offset, &data) {
-                        return PumpEnd::Fatal(e);
+                    match append_checked(writer, Stream::Stdout, offset, &data) {
+                        Ok(due) => sb.note_output(due),
+                        Err(e) => return PumpEnd::Fatal(e),
                     }
                     wrote = true;
                 }
                 Frame::Stderr { offset, data } => {
-                    if let Err(e) = append_checked(writer, Stream::Stderr, offset, &data) {
-                        return PumpEnd::Fatal(e);
+                    match append_checked(writer, Stream::Stderr, offset, &data) {
+                        Ok(due) => sb.note_output(due),
+                        Err(e) => return PumpEnd::Fatal(e),
                     }
                     wrote = true;
                 }
@@ -849,12 +863,13 @@ async fn pump(
 }
 
 /// Appends a chunk after checking it continues the stream exactly.
+/// `Ok(true)`: the sandbox's output budget is due a check.
 fn append_checked(
     writer: &mut OutputWriter,
     stream: Stream,
     offset: u64,
     data: &[u8],
-) -> Result<(), String> {
+) -> Result<bool, String> {
     let p = writer.progress();
     let expected = match stream {
         Stream::Stdout => p.stdout,

@@ -67,6 +67,9 @@ pub struct Config {
     pub max_command_timeout_seconds: u64,
     /// Output kept per stream of a command; past it the head is dropped (0: keep all).
     pub output_cap_bytes: u64,
+    /// Output all the commands of one sandbox may keep together (0: no budget): running
+    /// commands share it, finished ones lose their output oldest first past it.
+    pub sandbox_output_budget_bytes: u64,
     /// Host directories that `dir:`/`tar:`/`oci:` template bases may read from (none: refused).
     pub template_import_dirs: Vec<PathBuf>,
     /// runsc and its platform, for template build steps.
@@ -121,10 +124,22 @@ pub(crate) struct SandboxHandle {
     listener: Mutex<Option<(tokio::task::JoinHandle<()>, PathBuf)>>,
     /// Unfinished lifecycle operations on this sandbox.
     ops: Mutex<Vec<(String, OperationKind)>>,
+    /// What its commands' output may keep on the host, together.
+    pub output: Arc<output::OutputBudget>,
+    /// Set when the output budget is due a check (the reaper does it).
+    output_due: std::sync::atomic::AtomicBool,
 }
 
 impl SandboxHandle {
-    fn new(id: &str) -> Arc<SandboxHandle> {
+    /// Marks the output budget as due a check when `due`.
+    pub(crate) fn note_output(&self, due: bool) {
+        if due {
+            self.output_due
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    fn new(id: &str, output_budget: u64) -> Arc<SandboxHandle> {
         Arc::new(SandboxHandle {
             id: id.to_string(),
             lifecycle: tokio::sync::Mutex::new(()),
@@ -132,6 +147,8 @@ impl SandboxHandle {
             closed: CancellationToken::new(),
             listener: Mutex::new(None),
             ops: Mutex::new(Vec::new()),
+            output: output::OutputBudget::new(output_budget),
+            output_due: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -242,7 +259,7 @@ impl Service {
     fn handle(&self, id: &str) -> Arc<SandboxHandle> {
         lock(&self.0.sandboxes)
             .entry(id.to_string())
-            .or_insert_with(|| SandboxHandle::new(id))
+            .or_insert_with(|| SandboxHandle::new(id, self.0.cfg.sandbox_output_budget_bytes))
             .clone()
     }
 

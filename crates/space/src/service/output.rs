@@ -12,6 +12,12 @@
 //! change) and only the last `cap` bytes (rounded to 1 MiB) are kept. The first
 //! kept offset of each stream (its *base*) is in `bases`, written before the
 //! punch, so readers skip what is gone and never see the hole.
+//!
+//! The index is bounded too: consecutive chunks of one stream share a record,
+//! and past [`index_cap`] the head of the index is dropped the same way (with the
+//! output it described). A sandbox's commands share an [`OutputBudget`]: running
+//! commands split it, and the service drops the output of finished commands,
+//! oldest first, to keep the sandbox within it.
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, Read, Seek, SeekFrom, Write};
@@ -24,6 +30,67 @@ const RECORD_LEN: u64 = 24;
 
 /// Granularity of dropping the head of a capped stream.
 const DROP_STEP: u64 = 1 << 20;
+/// Granularity of dropping the head of the index, in records.
+const INDEX_DROP_STEP: u64 = DROP_STEP / RECORD_LEN;
+/// The most one record may describe (consecutive chunks of a stream are merged).
+const MAX_RECORD_LEN: u32 = 1 << 30;
+
+/// The bytes of index kept for a command whose streams keep `cap` bytes each:
+/// an eighth of that, at least 1 MiB (0: no cap).
+pub fn index_cap(cap: u64) -> u64 {
+    if cap == 0 {
+        0
+    } else {
+        (cap / 8).max(DROP_STEP)
+    }
+}
+
+/// What the commands of one sandbox may keep on the host, together.
+#[derive(Debug)]
+pub struct OutputBudget {
+    /// Bytes; 0: no budget.
+    limit: u64,
+    /// Writers open now: running commands share the budget.
+    writers: std::sync::atomic::AtomicU64,
+    /// Bytes written since the service last checked the sandbox's total.
+    unchecked: std::sync::atomic::AtomicU64,
+}
+
+impl OutputBudget {
+    pub fn new(limit: u64) -> std::sync::Arc<OutputBudget> {
+        std::sync::Arc::new(OutputBudget {
+            limit,
+            writers: Default::default(),
+            unchecked: Default::default(),
+        })
+    }
+
+    pub fn limit(&self) -> u64 {
+        self.limit
+    }
+
+    /// The per-stream cap of each running command: its share of the budget.
+    fn share(&self) -> u64 {
+        use std::sync::atomic::Ordering;
+        let n = self.writers.load(Ordering::Relaxed).max(1);
+        (self.limit / (2 * n)).max(2 * DROP_STEP)
+    }
+
+    /// Counts `n` bytes written; true when the sandbox's total is due a check.
+    fn charge(&self, n: u64) -> bool {
+        use std::sync::atomic::Ordering;
+        if self.limit == 0 {
+            return false;
+        }
+        let step = (self.limit / 8).max(DROP_STEP);
+        let before = self.unchecked.fetch_add(n, Ordering::Relaxed);
+        if before + n >= step {
+            self.unchecked.store(0, Ordering::Relaxed);
+            return true;
+        }
+        false
+    }
+}
 
 /// How much has been stored so far.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -48,27 +115,46 @@ impl OutputProgress {
     }
 }
 
-/// The first kept offset of each stream.
-fn read_bases(dir: &Path) -> (u64, u64) {
-    let Ok(b) = std::fs::read(dir.join("bases")) else {
-        return (0, 0);
-    };
-    if b.len() != 16 {
-        return (0, 0);
-    }
-    let mut a = [0u8; 8];
-    a.copy_from_slice(&b[..8]);
-    let out = u64::from_le_bytes(a);
-    a.copy_from_slice(&b[8..]);
-    (out, u64::from_le_bytes(a))
+/// What the output cap has dropped: the first kept offset of each stream, and the
+/// first kept index record.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Bases {
+    stdout: u64,
+    stderr: u64,
+    index: u64,
 }
 
-fn write_bases(dir: &Path, stdout: u64, stderr: u64) -> io::Result<()> {
+fn read_bases(dir: &Path) -> Bases {
+    let Ok(b) = std::fs::read(dir.join("bases")) else {
+        return Bases::default();
+    };
+    let at = |i: usize| {
+        let mut a = [0u8; 8];
+        a.copy_from_slice(&b[i..i + 8]);
+        u64::from_le_bytes(a)
+    };
+    match b.len() {
+        16 => Bases {
+            stdout: at(0),
+            stderr: at(8),
+            index: 0,
+        },
+        24 => Bases {
+            stdout: at(0),
+            stderr: at(8),
+            index: at(16),
+        },
+        _ => Bases::default(),
+    }
+}
+
+fn write_bases(dir: &Path, b: Bases) -> io::Result<()> {
     let tmp = dir.join("bases.tmp");
-    let mut b = Vec::with_capacity(16);
-    b.extend_from_slice(&stdout.to_le_bytes());
-    b.extend_from_slice(&stderr.to_le_bytes());
-    std::fs::write(&tmp, b)?;
+    let mut bytes = Vec::with_capacity(24);
+    bytes.extend_from_slice(&b.stdout.to_le_bytes());
+    bytes.extend_from_slice(&b.stderr.to_le_bytes());
+    bytes.extend_from_slice(&b.index.to_le_bytes());
+    std::fs::write(&tmp, bytes)?;
     std::fs::rename(tmp, dir.join("bases"))
 }
 
@@ -103,15 +189,34 @@ pub struct OutputWriter {
     stdout: File,
     stderr: File,
     index: File,
+    /// Records in the index file (including dropped ones, which are holes).
+    records: u64,
+    /// The last record, which a chunk of the same stream extends.
+    last: Option<Record>,
+    first_record: u64,
     progress: OutputProgress,
-    /// Bytes kept per stream; 0 keeps everything.
+    /// Bytes kept per stream; 0 keeps everything (up to the budget's share).
     cap: u64,
+    budget: Option<std::sync::Arc<OutputBudget>>,
+}
+
+impl Drop for OutputWriter {
+    fn drop(&mut self) {
+        if let Some(b) = &self.budget {
+            b.writers.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
 }
 
 impl OutputWriter {
     /// Opens the output of a command, creating it or recovering it after a crash.
-    /// Each stream keeps its last `cap` bytes (0: all).
-    pub fn open(dir: &Path, cap: u64) -> io::Result<OutputWriter> {
+    /// Each stream keeps its last `cap` bytes (0: all), and no more than its share
+    /// of the sandbox's `budget`.
+    pub fn open(
+        dir: &Path,
+        cap: u64,
+        budget: Option<std::sync::Arc<OutputBudget>>,
+    ) -> io::Result<OutputWriter> {
         std::fs::create_dir_all(dir)?;
         let open = |name: &str| {
             OpenOptions::new()
@@ -120,33 +225,47 @@ impl OutputWriter {
                 .append(true)
                 .open(dir.join(name))
         };
-        let (stdout, stderr, index) = (open("stdout")?, open("stderr")?, open("index")?);
-        // Drop a torn index record, then recount from the index.
-        let whole = index.metadata()?.len() / RECORD_LEN * RECORD_LEN;
-        index.set_len(whole)?;
+        let (stdout, stderr) = (open("stdout")?, open("stderr")?);
+        // The index is written at explicit offsets (its last record is extended in place).
+        let index = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .read(true)
+            .write(true)
+            .open(dir.join("index"))?;
+        // Drop a torn index record; the last record says how much is stored.
+        let records = index.metadata()?.len() / RECORD_LEN;
+        index.set_len(records * RECORD_LEN)?;
+        let bases = read_bases(dir);
+        let first_record = bases.index.min(records);
+        let last = match records > first_record {
+            true => Some(record_at(&index, records - 1)?),
+            false => None,
+        };
         let mut progress = OutputProgress::default();
-        let mut reader = io::BufReader::new(File::open(dir.join("index"))?);
-        let mut rec = [0u8; RECORD_LEN as usize];
-        for _ in 0..whole / RECORD_LEN {
-            reader.read_exact(&mut rec)?;
-            let r = Record::decode(&rec);
-            match r.stream {
-                Stream::Stdout => progress.stdout += u64::from(r.len),
-                Stream::Stderr => progress.stderr += u64::from(r.len),
-            }
+        if let Some(r) = last {
+            let (out, err) = r.stream_ends();
+            progress.stdout = out;
+            progress.stderr = err;
         }
         stdout.set_len(progress.stdout)?;
         stderr.set_len(progress.stderr)?;
-        let (stdout_base, stderr_base) = read_bases(dir);
-        progress.stdout_base = stdout_base.min(progress.stdout);
-        progress.stderr_base = stderr_base.min(progress.stderr);
+        progress.stdout_base = bases.stdout.min(progress.stdout);
+        progress.stderr_base = bases.stderr.min(progress.stderr);
+        if let Some(b) = &budget {
+            b.writers.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
         Ok(OutputWriter {
             dir: dir.to_path_buf(),
             stdout,
             stderr,
             index,
+            records,
+            last,
+            first_record,
             progress,
             cap,
+            budget,
         })
     }
 
@@ -154,10 +273,11 @@ impl OutputWriter {
         self.progress
     }
 
-    /// Appends a chunk of one stream.
-    pub fn append(&mut self, stream: Stream, data: &[u8]) -> io::Result<()> {
+    /// Appends a chunk of one stream. `Ok(true)` when the sandbox's output budget is
+    /// due a check (see [`OutputBudget`]).
+    pub fn append(&mut self, stream: Stream, data: &[u8]) -> io::Result<bool> {
         if data.is_empty() {
-            return Ok(());
+            return Ok(false);
         }
         let len = u32::try_from(data.len())
             .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "chunk too large"))?;
@@ -166,47 +286,145 @@ impl OutputWriter {
             Stream::Stderr => (&mut self.stderr, self.progress.stderr),
         };
         file.write_all(data)?;
-        let rec = Record {
-            combined_offset: self.progress.combined(),
-            stream_offset,
-            len,
-            stream,
-        };
-        self.index.write_all(&rec.encode())?;
+        // The bytes are written before the record that makes them count.
+        match self.last {
+            Some(mut r) if r.stream == stream && r.len.saturating_add(len) <= MAX_RECORD_LEN => {
+                r.len += len;
+                self.index
+                    .write_all_at(&r.encode(), (self.records - 1) * RECORD_LEN)?;
+                self.last = Some(r);
+            }
+            _ => {
+                let r = Record {
+                    combined_offset: self.progress.combined(),
+                    stream_offset,
+                    len,
+                    stream,
+                };
+                self.index
+                    .write_all_at(&r.encode(), self.records * RECORD_LEN)?;
+                self.records += 1;
+                self.last = Some(r);
+            }
+        }
         match stream {
             Stream::Stdout => self.progress.stdout += u64::from(len),
             Stream::Stderr => self.progress.stderr += u64::from(len),
         }
-        self.enforce_cap()
+        self.enforce_cap()?;
+        Ok(self
+            .budget
+            .as_ref()
+            .is_some_and(|b| b.charge(u64::from(len))))
     }
 
-    /// Drops the head of a stream that has grown past the cap by a whole step.
+    /// The bytes each stream keeps: the cap, and the command's share of the budget.
+    fn effective_cap(&self) -> u64 {
+        let share = self
+            .budget
+            .as_ref()
+            .filter(|b| b.limit > 0)
+            .map(|b| b.share());
+        match (self.cap, share) {
+            (0, None) => 0,
+            (0, Some(s)) => s,
+            (c, None) => c,
+            (c, Some(s)) => c.min(s),
+        }
+    }
+
+    /// Drops the head of a stream that has grown past the cap by a whole step, and the
+    /// head of an index that has grown past its own cap (with the output it described).
     fn enforce_cap(&mut self) -> io::Result<()> {
-        if self.cap == 0 {
+        let cap = self.effective_cap();
+        if cap == 0 {
             return Ok(());
         }
         let p = self.progress;
         let want = |len: u64, base: u64| {
-            let keep_from = len.saturating_sub(self.cap) / DROP_STEP * DROP_STEP;
+            let keep_from = len.saturating_sub(cap) / DROP_STEP * DROP_STEP;
             (keep_from > base).then_some(keep_from)
         };
-        let new_out = want(p.stdout, p.stdout_base);
-        let new_err = want(p.stderr, p.stderr_base);
-        if new_out.is_none() && new_err.is_none() {
+        let mut out = want(p.stdout, p.stdout_base).unwrap_or(p.stdout_base);
+        let mut err = want(p.stderr, p.stderr_base).unwrap_or(p.stderr_base);
+        let mut first = self.first_record;
+        let max_records = (index_cap(cap) / RECORD_LEN).max(1);
+        if self.records - first > max_records + INDEX_DROP_STEP {
+            first = self.records - max_records;
+            // Output before the first kept record can no longer be placed in the
+            // combined view: it goes with its records.
+            let (o, e) = record_at(&self.index, first)?.stream_starts();
+            out = out.max(o);
+            err = err.max(e);
+        }
+        if (out, err, first) == (p.stdout_base, p.stderr_base, self.first_record) {
             return Ok(());
         }
-        let (out, err) = (
-            new_out.unwrap_or(p.stdout_base),
-            new_err.unwrap_or(p.stderr_base),
-        );
         // Readers learn the new bases before the bytes disappear.
-        write_bases(&self.dir, out, err)?;
+        write_bases(
+            &self.dir,
+            Bases {
+                stdout: out,
+                stderr: err,
+                index: first,
+            },
+        )?;
         punch(&self.stdout, p.stdout_base, out)?;
         punch(&self.stderr, p.stderr_base, err)?;
+        punch(
+            &self.index,
+            self.first_record * RECORD_LEN,
+            first * RECORD_LEN,
+        )?;
         self.progress.stdout_base = out;
         self.progress.stderr_base = err;
+        self.first_record = first;
         Ok(())
     }
+}
+
+/// Drops all the stored output of a finished command (the service does this, oldest
+/// first, to keep a sandbox within its output budget). Offsets stay valid; readers get
+/// nothing. Returns the bytes freed.
+pub fn drop_all(dir: &Path) -> io::Result<u64> {
+    use std::os::unix::fs::MetadataExt;
+    let usage = disk_usage(dir);
+    let len = |n: &str| std::fs::metadata(dir.join(n)).map(|m| m.len()).unwrap_or(0);
+    let records = len("index") / RECORD_LEN;
+    write_bases(
+        dir,
+        Bases {
+            stdout: len("stdout"),
+            stderr: len("stderr"),
+            index: records,
+        },
+    )?;
+    for name in ["stdout", "stderr", "index"] {
+        if let Ok(f) = OpenOptions::new().write(true).open(dir.join(name)) {
+            let size = f.metadata()?.size();
+            punch(&f, 0, size)?;
+        }
+    }
+    Ok(usage.saturating_sub(disk_usage(dir)))
+}
+
+/// Bytes a command's output takes on disk (allocated blocks: holes are free).
+pub fn disk_usage(dir: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    entries
+        .flatten()
+        .filter_map(|e| e.metadata().ok())
+        .map(|m| m.blocks() * 512)
+        .sum()
+}
+
+fn record_at(index: &File, i: u64) -> io::Result<Record> {
+    let mut b = [0u8; RECORD_LEN as usize];
+    index.read_exact_at(&mut b, i * RECORD_LEN)?;
+    Ok(Record::decode(&b))
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -218,6 +436,24 @@ struct Record {
 }
 
 impl Record {
+    /// Where each stream stood when this record began: (stdout, stderr).
+    fn stream_starts(&self) -> (u64, u64) {
+        let other = self.combined_offset.saturating_sub(self.stream_offset);
+        match self.stream {
+            Stream::Stdout => (self.stream_offset, other),
+            Stream::Stderr => (other, self.stream_offset),
+        }
+    }
+
+    /// Where each stream stands after this record: (stdout, stderr).
+    fn stream_ends(&self) -> (u64, u64) {
+        let (out, err) = self.stream_starts();
+        match self.stream {
+            Stream::Stdout => (out + u64::from(self.len), err),
+            Stream::Stderr => (out, err + u64::from(self.len)),
+        }
+    }
+
     fn encode(&self) -> [u8; RECORD_LEN as usize] {
         let mut b = [0u8; RECORD_LEN as usize];
         b[0..8].copy_from_slice(&self.combined_offset.to_le_bytes());
@@ -276,10 +512,10 @@ pub fn read_pieces(
     upto: u64,
     max: usize,
 ) -> io::Result<Vec<Piece>> {
-    let (stdout_base, stderr_base) = read_bases(dir);
+    let bases = read_bases(dir);
     let offset = match view {
-        View::Stdout => offset.max(stdout_base),
-        View::Stderr => offset.max(stderr_base),
+        View::Stdout => offset.max(bases.stdout),
+        View::Stderr => offset.max(bases.stderr),
         View::Combined => offset,
     };
     if offset >= upto {
@@ -302,7 +538,7 @@ pub fn read_pieces(
                 data,
             }])
         }
-        View::Combined => read_combined(dir, offset, want, (stdout_base, stderr_base)),
+        View::Combined => read_combined(dir, offset, want, bases),
     }
 }
 
@@ -318,25 +554,17 @@ fn read_at(path: &Path, offset: u64, len: usize) -> io::Result<Vec<u8>> {
     Ok(data)
 }
 
-fn read_combined(
-    dir: &Path,
-    offset: u64,
-    want: usize,
-    bases: (u64, u64),
-) -> io::Result<Vec<Piece>> {
+fn read_combined(dir: &Path, offset: u64, want: usize, bases: Bases) -> io::Result<Vec<Piece>> {
     let index = match File::open(dir.join("index")) {
         Ok(f) => f,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
         Err(e) => return Err(e),
     };
     let count = index.metadata()?.len() / RECORD_LEN;
-    let record_at = |i: u64| -> io::Result<Record> {
-        let mut b = [0u8; RECORD_LEN as usize];
-        index.read_exact_at(&mut b, i * RECORD_LEN)?;
-        Ok(Record::decode(&b))
-    };
-    // Binary search: the last record starting at or before `offset`.
-    let (mut lo, mut hi) = (0u64, count);
+    let record_at = |i: u64| record_at(&index, i);
+    // Binary search among the kept records: the last one starting at or before `offset`.
+    let (mut lo, mut hi) = (bases.index.min(count), count);
+    let first = lo;
     while lo < hi {
         let mid = lo + (hi - lo) / 2;
         if record_at(mid)?.combined_offset <= offset {
@@ -345,7 +573,7 @@ fn read_combined(
             hi = mid;
         }
     }
-    let mut i = lo.saturating_sub(1);
+    let mut i = lo.saturating_sub(1).max(first);
     let mut pieces = Vec::new();
     let mut remaining = want;
     let mut files: [Option<File>; 2] = [None, None];
@@ -359,9 +587,9 @@ fn read_combined(
         let mut skip = offset.saturating_sub(r.combined_offset);
         // Skip what the cap dropped from this record's stream.
         let base = if r.stream == Stream::Stderr {
-            bases.1
+            bases.stderr
         } else {
-            bases.0
+            bases.stdout
         };
         skip = skip.max(base.saturating_sub(r.stream_offset));
         if skip >= u64::from(r.len) {
@@ -392,13 +620,13 @@ fn read_combined(
 /// The stored lengths of a command's output, from its files.
 pub fn stored_progress(dir: &Path) -> OutputProgress {
     let len = |n: &str| std::fs::metadata(dir.join(n)).map(|m| m.len()).unwrap_or(0);
-    let (stdout_base, stderr_base) = read_bases(dir);
+    let bases = read_bases(dir);
     OutputProgress {
         stdout: len("stdout"),
         stderr: len("stderr"),
         done: false,
-        stdout_base,
-        stderr_base,
+        stdout_base: bases.stdout,
+        stderr_base: bases.stderr,
     }
 }
 
@@ -414,7 +642,7 @@ mod tests {
     #[test]
     fn combined_view_is_arrival_order_and_offsets_are_exact() {
         let dir = tempfile::tempdir().unwrap();
-        let mut w = OutputWriter::open(dir.path(), 0).unwrap();
+        let mut w = OutputWriter::open(dir.path(), 0, None).unwrap();
         w.append(Stream::Stdout, b"hello ").unwrap();
         w.append(Stream::Stderr, b"oops ").unwrap();
         w.append(Stream::Stdout, b"world").unwrap();
@@ -443,7 +671,7 @@ mod tests {
     fn the_cap_keeps_the_tail_and_frees_the_head() {
         use std::os::unix::fs::MetadataExt;
         let dir = tempfile::tempdir().unwrap();
-        let mut w = OutputWriter::open(dir.path(), 2 << 20).unwrap();
+        let mut w = OutputWriter::open(dir.path(), 2 << 20, None).unwrap();
         let chunk: Vec<u8> = (0..=255u8).cycle().take(64 * 1024).collect();
         for _ in 0..160 {
             w.append(Stream::Stdout, &chunk).unwrap();
@@ -470,7 +698,7 @@ mod tests {
         assert!(bytes.ends_with(b"tail"));
         // A reopen (after a crash) knows the bases.
         drop(w);
-        let w = OutputWriter::open(dir.path(), 2 << 20).unwrap();
+        let w = OutputWriter::open(dir.path(), 2 << 20, None).unwrap();
         assert_eq!(w.progress().stdout_base, p.stdout_base);
     }
 
@@ -478,7 +706,7 @@ mod tests {
     fn recovery_cuts_unindexed_bytes() {
         let dir = tempfile::tempdir().unwrap();
         {
-            let mut w = OutputWriter::open(dir.path(), 0).unwrap();
+            let mut w = OutputWriter::open(dir.path(), 0, None).unwrap();
             w.append(Stream::Stdout, b"abc").unwrap();
         }
         // A crash after the data write but before the index record, plus a torn record.
@@ -494,12 +722,93 @@ mod tests {
             .unwrap()
             .write_all(&[1, 2, 3])
             .unwrap();
-        let mut w = OutputWriter::open(dir.path(), 0).unwrap();
+        let mut w = OutputWriter::open(dir.path(), 0, None).unwrap();
         assert_eq!(w.progress().stdout, 3);
         w.append(Stream::Stdout, b"def").unwrap();
         assert_eq!(std::fs::read(dir.path().join("stdout")).unwrap(), b"abcdef");
         let got = read_pieces(dir.path(), View::Combined, 0, 6, usize::MAX).unwrap();
-        assert_eq!(got.len(), 2);
-        assert_eq!(got[1].data, b"def");
+        // Consecutive chunks of one stream share an index record.
+        assert_eq!(got.len(), 1);
+        assert_eq!(got[0].data, b"abcdef");
+    }
+
+    #[test]
+    fn the_index_is_bounded_however_the_output_is_chopped() {
+        use std::os::unix::fs::MetadataExt;
+        let dir = tempfile::tempdir().unwrap();
+        let cap = 2 << 20;
+        let mut w = OutputWriter::open(dir.path(), cap, None).unwrap();
+        // One byte at a time, alternating streams: one record per byte.
+        let n = 300_000u64;
+        for i in 0..n {
+            let stream = if i % 2 == 0 {
+                Stream::Stdout
+            } else {
+                Stream::Stderr
+            };
+            w.append(stream, b"x").unwrap();
+        }
+        let p = w.progress();
+        assert_eq!(p.combined(), n);
+        assert!(p.truncated());
+        let index_blocks = std::fs::metadata(dir.path().join("index"))
+            .unwrap()
+            .blocks()
+            * 512;
+        assert!(
+            index_blocks <= index_cap(cap) + 2 * DROP_STEP,
+            "{index_blocks} bytes of index on disk"
+        );
+        // What is kept reads back in order, from the first kept record on.
+        let all = read_pieces(dir.path(), View::Combined, 0, n, usize::MAX).unwrap();
+        let kept: u64 = all.iter().map(|p| p.data.len() as u64).sum();
+        assert!(kept > 0 && kept < n, "{kept}");
+        assert_eq!(all.last().unwrap().offset + 1, n);
+        for w in all.windows(2) {
+            assert_eq!(w[0].offset + w[0].data.len() as u64, w[1].offset);
+        }
+        // A reopen agrees.
+        drop(w);
+        let w = OutputWriter::open(dir.path(), cap, None).unwrap();
+        assert_eq!(w.progress(), p);
+    }
+
+    #[test]
+    fn running_commands_share_the_budget_and_drop_all_frees_a_finished_one() {
+        use std::os::unix::fs::MetadataExt;
+        let root = tempfile::tempdir().unwrap();
+        let budget = OutputBudget::new(8 << 20);
+        let chunk = vec![7u8; 64 * 1024];
+        let mut writers: Vec<OutputWriter> = (0..4)
+            .map(|i| {
+                OutputWriter::open(&root.path().join(i.to_string()), 0, Some(budget.clone()))
+                    .unwrap()
+            })
+            .collect();
+        let mut due = false;
+        for _ in 0..200 {
+            for w in writers.iter_mut() {
+                due |= w.append(Stream::Stdout, &chunk).unwrap();
+            }
+        }
+        assert!(due, "the budget never asked for a check");
+        let used: u64 = (0..4)
+            .map(|i| disk_usage(&root.path().join(i.to_string())))
+            .sum();
+        // Four writers of 12.5 MiB each kept about their share of 8 MiB.
+        assert!(used <= (8 << 20) + 4 * 2 * DROP_STEP + (1 << 20), "{used}");
+        drop(writers);
+        let dir = root.path().join("0");
+        let freed = drop_all(&dir).unwrap();
+        assert!(freed > 0);
+        let blocks = std::fs::metadata(dir.join("stdout")).unwrap().blocks();
+        assert_eq!(blocks, 0);
+        let len = std::fs::metadata(dir.join("stdout")).unwrap().len();
+        assert!(read_pieces(&dir, View::Combined, 0, len, usize::MAX)
+            .unwrap()
+            .is_empty());
+        assert!(read_pieces(&dir, View::Stdout, 0, len, usize::MAX)
+            .unwrap()
+            .is_empty());
     }
 }

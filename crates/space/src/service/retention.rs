@@ -7,6 +7,7 @@
 //! command that runs for hours keeps its sandbox alive; the timer starts when
 //! the last command ends.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use space_api::{KeepaliveRequest, OnIdle, OperationKind, Sandbox, SandboxState};
@@ -174,8 +175,61 @@ impl Service {
             loop {
                 tick.tick().await;
                 svc.reap_once();
+                svc.enforce_output_budgets().await;
             }
         });
+    }
+
+    /// Keeps every sandbox whose output budget is due a check within it: the output of
+    /// its finished commands goes, oldest first (their results then say
+    /// `output_truncated`). Running commands keep to their share by themselves.
+    async fn enforce_output_budgets(&self) {
+        let due: Vec<Arc<super::SandboxHandle>> = lock(&self.0.sandboxes)
+            .values()
+            .filter(|h| {
+                h.output_due
+                    .swap(false, std::sync::atomic::Ordering::Relaxed)
+            })
+            .cloned()
+            .collect();
+        for h in due {
+            let svc = self.clone();
+            let _ = tokio::task::spawn_blocking(move || svc.enforce_output_budget(&h)).await;
+        }
+    }
+
+    fn enforce_output_budget(&self, h: &super::SandboxHandle) {
+        let limit = h.output.limit();
+        if limit == 0 {
+            return;
+        }
+        let root = self.outputs_root().join(&h.id);
+        let Ok(commands) = self.0.store.list_commands(&h.id) else {
+            return;
+        };
+        let mut total: u64 = commands
+            .iter()
+            .map(|c| super::output::disk_usage(&root.join(&c.id)))
+            .sum();
+        for mut cmd in commands.into_iter().filter(|c| c.state.is_terminal()) {
+            if total <= limit {
+                break;
+            }
+            match super::output::drop_all(&root.join(&cmd.id)) {
+                Ok(0) => {}
+                Ok(freed) => {
+                    total = total.saturating_sub(freed);
+                    if let Some(r) = cmd.result.as_mut() {
+                        r.output_truncated = true;
+                        let _ = self.0.store.update_command(&cmd);
+                    }
+                    tracing::info!(sandbox = %h.id, command = %cmd.id, freed, "output budget: dropped a finished command's output");
+                }
+                Err(e) => {
+                    tracing::warn!(sandbox = %h.id, command = %cmd.id, error = %e, "dropping output")
+                }
+            }
+        }
     }
 
     /// Releases whatever a failed sandbox may still hold (its runtime already let go
