@@ -73,7 +73,86 @@ pub const BLOCKED: &[(Ipv4Addr, u8, &str)] = &[
     (Ipv4Addr::new(224, 0, 0, 0), 4, "multicast"),
     (Ipv4Addr::new(240, 0, 0, 0), 4, "reserved"),
     (Ipv4Addr::new(255, 255, 255, 255), 32, "broadcast"),
+    // Cloud metadata and wire servers outside the ranges above. (Most clouds answer at
+    // 169.254.169.254, or elsewhere in link-local: AWS ECS 169.254.170.2, Tencent
+    // 169.254.0.23, the AWS resolver and time server at 169.254.169.253/.123.)
+    (
+        Ipv4Addr::new(168, 63, 129, 16),
+        32,
+        "Azure's wire server (cloud metadata)",
+    ),
+    (
+        Ipv4Addr::new(100, 100, 100, 200),
+        32,
+        "Alibaba Cloud's metadata server",
+    ),
 ];
+
+/// IPv6 destinations no sandbox may ever reach. Egress is IPv4 only today (every IPv6
+/// entry is refused, and the firewall drops all IPv6); these are refused by name so that
+/// the list is already right when IPv6 comes: the clouds' IPv6 metadata servers, and the
+/// ranges that would reach the host or a private network.
+pub const BLOCKED_V6: &[(std::net::Ipv6Addr, u8, &str)] = &[
+    (
+        std::net::Ipv6Addr::new(0xfd00, 0x0ec2, 0, 0, 0, 0, 0, 0),
+        32,
+        "AWS's IPv6 metadata, resolver and time servers (fd00:ec2::254, ::253, ::123)",
+    ),
+    (
+        std::net::Ipv6Addr::new(0xfd20, 0x00ce, 0, 0, 0, 0, 0, 0x254),
+        128,
+        "Google Cloud's IPv6 metadata server",
+    ),
+    (
+        std::net::Ipv6Addr::new(0xfc00, 0, 0, 0, 0, 0, 0, 0),
+        7,
+        "unique local (private)",
+    ),
+    (
+        std::net::Ipv6Addr::new(0xfe80, 0, 0, 0, 0, 0, 0, 0),
+        10,
+        "link-local",
+    ),
+    (
+        std::net::Ipv6Addr::new(0xff00, 0, 0, 0, 0, 0, 0, 0),
+        8,
+        "multicast",
+    ),
+    (
+        std::net::Ipv6Addr::UNSPECIFIED,
+        96,
+        "loopback, unspecified and IPv4-compatible",
+    ),
+    (
+        std::net::Ipv6Addr::new(0, 0, 0, 0, 0, 0xffff, 0, 0),
+        96,
+        "IPv4-mapped (checked as IPv4)",
+    ),
+    (
+        std::net::Ipv6Addr::new(0x64, 0xff9b, 0, 0, 0, 0, 0, 0),
+        96,
+        "NAT64",
+    ),
+];
+
+/// Why an IPv6 destination may not be allowed: always (egress is IPv4 only), with the
+/// reason a metadata or private address would also have.
+fn refusal_v6(addr: std::net::Ipv6Addr) -> String {
+    let bits = u128::from(addr);
+    for (net, p, what) in BLOCKED_V6 {
+        let m = if *p == 0 {
+            0
+        } else {
+            u128::MAX << (128 - u32::from(*p))
+        };
+        if bits & m == u128::from(*net) & m {
+            return format!(
+                "{addr} is {what}, which is never reachable (and IPv6 is not supported yet)"
+            );
+        }
+    }
+    "IPv6 is not supported yet".into()
+}
 
 /// One checked allowlist entry, resolved to one network.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -158,7 +237,18 @@ pub fn resolve_allowlist(entries: &[String]) -> Result<Vec<Resolved>, String> {
             ));
         }
         if entry.contains('[') || entry.matches(':').count() > 1 {
-            return Err(bad("IPv6 is not supported yet".into()));
+            let bare = entry
+                .trim_start_matches('[')
+                .split(']')
+                .next()
+                .unwrap_or_default()
+                .split('/')
+                .next()
+                .unwrap_or_default();
+            return Err(bad(match bare.parse::<std::net::Ipv6Addr>() {
+                Ok(a) => refusal_v6(a),
+                Err(_) => "IPv6 is not supported yet".into(),
+            }));
         }
         let (target, port) = match entry.rsplit_once(':') {
             Some((t, p)) => {
@@ -173,8 +263,12 @@ pub fn resolve_allowlist(entries: &[String]) -> Result<Vec<Resolved>, String> {
         };
         let push = |out: &mut Vec<Resolved>, addr, prefix, host: Option<String>| {
             if let Some(why) = refusal(addr, prefix, &host_addrs) {
+                // A name's addresses are the host's view of its network: never echoed.
                 let what = match &host {
-                    Some(h) => format!("{h} resolves to {addr}; {why}"),
+                    Some(h) => format!(
+                        "{h} resolves to an address that is never reachable from a sandbox \
+                         (private, loopback, link-local, cloud metadata or the host's own)"
+                    ),
                     None => why,
                 };
                 return Err(bad(what));
@@ -189,8 +283,8 @@ pub fn resolve_allowlist(entries: &[String]) -> Result<Vec<Resolved>, String> {
             Ok(())
         };
         if let Some((a, p)) = target.split_once('/') {
-            if a.parse::<std::net::Ipv6Addr>().is_ok() {
-                return Err(bad("IPv6 is not supported yet".into()));
+            if let Ok(v6) = a.parse::<std::net::Ipv6Addr>() {
+                return Err(bad(refusal_v6(v6)));
             }
             let addr: Ipv4Addr = a
                 .parse()
@@ -210,7 +304,7 @@ pub fn resolve_allowlist(entries: &[String]) -> Result<Vec<Resolved>, String> {
         } else if let Ok(ip) = target.parse::<IpAddr>() {
             match ip {
                 IpAddr::V4(addr) => push(&mut out, addr, 32, None)?,
-                IpAddr::V6(_) => return Err(bad("IPv6 is not supported yet".into())),
+                IpAddr::V6(v6) => return Err(bad(refusal_v6(v6))),
             }
         } else {
             let host = target.trim_end_matches('.').to_ascii_lowercase();
@@ -886,6 +980,15 @@ mod tests {
             "192.0.0.8",
             "240.0.0.0/4",
             "localhost",
+            "168.63.129.16",
+            "168.63.129.16:80",
+            "168.63.129.0/24",
+            "100.100.100.200",
+            "fd00:ec2::254",
+            "[fd00:ec2::254]:80",
+            "fd20:ce::254",
+            "::ffff:169.254.169.254",
+            "fe80::1",
         ] {
             let err = one(e).unwrap_err();
             assert!(
@@ -893,6 +996,9 @@ mod tests {
                 "{e}: {err}"
             );
         }
+        // A name's addresses are never echoed.
+        let err = one("localhost").unwrap_err();
+        assert!(!err.contains("127.0.0.1"), "{err}");
     }
 
     #[test]

@@ -56,7 +56,8 @@ pub async fn list(
     respond(
         st.service
             .for_tenant(&tenant)
-            .list_sandboxes(&labels)
+            .list_sandboxes(labels)
+            .await
             .map(|sandboxes| SandboxList { sandboxes }),
     )
 }
@@ -66,7 +67,7 @@ pub async fn get(
     Extension(tenant): Extension<Tenant>,
     Path(id): Path<String>,
 ) -> Response {
-    respond(st.service.for_tenant(&tenant).get_sandbox(&id))
+    respond(st.service.for_tenant(&tenant).get_sandbox(&id).await)
 }
 
 pub async fn destroy(

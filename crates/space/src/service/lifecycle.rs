@@ -166,6 +166,8 @@ impl Service {
         if let Err(e) = &result {
             tracing::warn!(sandbox = %handle.id, operation = %op_id, %kind, error = %e.message, "operation failed");
         }
+        // What the new state costs is known by the time the operation has succeeded.
+        self.sample_cost(&handle.id).await;
         let _ = self.finish_op(&op_id, result.err());
         lock(&handle.ops).retain(|(o, _)| *o != op_id);
         drop(guard);

@@ -196,6 +196,8 @@ pub(crate) struct Inner {
     tenancy: tenancy::Tenancy,
     /// Failed sandboxes whose records retention is purging now.
     purging: Mutex<std::collections::HashSet<String>>,
+    /// The last sampled cost of each managed sandbox (see `retention.rs`).
+    costs: Mutex<HashMap<String, space_api::Cost>>,
 }
 
 /// The service. Cheap to clone.
@@ -230,11 +232,13 @@ impl Service {
             command_admission: Mutex::new(()),
             tenancy,
             purging: Mutex::new(std::collections::HashSet::new()),
+            costs: Mutex::new(HashMap::new()),
         }));
         svc.reconcile().await?;
         svc.remove_stale_build_containers().await;
         svc.spawn_reaper();
         svc.spawn_revocation_watch();
+        svc.spawn_cost_sampler();
         Ok(svc)
     }
 
@@ -558,6 +562,7 @@ impl Service {
             self.run_template_start(id, op_id, start).await?;
             rec = self.record(id).map_err(internal)?;
         }
+        self.sample_cost(id).await;
         let mut op = self.operation(op_id).map_err(internal)?;
         op.status = OperationStatus::Succeeded;
         op.progress = Some("ready".into());

@@ -34,6 +34,8 @@ pub(crate) struct Activity {
     evented: OffsetDateTime,
 }
 
+/// How often every managed sandbox's cost is sampled.
+const COST_SAMPLE_EVERY: Duration = Duration::from_secs(5);
 /// Keepalives of one sandbox become an event at most this often.
 const KEEPALIVE_EVENT_EVERY: Duration = Duration::from_secs(10);
 
@@ -140,11 +142,14 @@ impl Service {
     }
 
     /// Fills in what is computed rather than stored: cost and the idle deadline.
+    /// Memory comes from the last sample (a request never scans `/proc`); disk is one
+    /// `statfs` of the sandbox's own filesystem. Blocking: call it off the async threads.
     pub(crate) fn decorate(&self, mut sb: Sandbox) -> Sandbox {
+        let sampled = lock(&self.0.costs).get(&sb.id).cloned().unwrap_or_default();
         let dir = self.sandbox_dir(&sb.id);
         match sb.state {
             SandboxState::Running | SandboxState::Paused | SandboxState::Pausing => {
-                sb.cost.memory_bytes = self.rt(&sb.id).resident_bytes(&sb.id, &dir);
+                sb.cost.memory_bytes = sampled.memory_bytes;
                 sb.cost.snapshot_bytes = None;
                 sb.cost.disk_bytes = self.rt(&sb.id).disk_bytes(&sb.id, &dir);
             }
@@ -164,6 +169,64 @@ impl Service {
             _ => None,
         };
         sb
+    }
+
+    /// Samples what a sandbox's state costs now (memory from `/proc`, disk from its
+    /// filesystem), off the async threads. Lifecycle operations sample before they
+    /// succeed; [`Self::spawn_cost_sampler`] keeps every sample fresh.
+    pub(crate) async fn sample_cost(&self, id: &str) {
+        let svc = self.clone();
+        let id = id.to_string();
+        let _ = tokio::task::spawn_blocking(move || svc.sample_cost_now(&id)).await;
+    }
+
+    fn sample_cost_now(&self, id: &str) {
+        let Ok(rec) = self.record(id) else {
+            lock(&self.0.costs).remove(id);
+            return;
+        };
+        let dir = self.sandbox_dir(id);
+        let rt = self.rt(id);
+        let cost = match rec.sandbox.state {
+            SandboxState::Running | SandboxState::Paused | SandboxState::Pausing => {
+                space_api::Cost {
+                    memory_bytes: rt.resident_bytes(id, &dir),
+                    snapshot_bytes: None,
+                    disk_bytes: rt.disk_bytes(id, &dir),
+                }
+            }
+            SandboxState::Suspended => space_api::Cost {
+                memory_bytes: Some(0),
+                snapshot_bytes: None,
+                disk_bytes: rt.disk_bytes(id, &dir),
+            },
+            _ => {
+                lock(&self.0.costs).remove(id);
+                return;
+            }
+        };
+        lock(&self.0.costs).insert(id.to_string(), cost);
+    }
+
+    /// Starts the task that samples every managed sandbox's cost every [`COST_SAMPLE_EVERY`].
+    pub(crate) fn spawn_cost_sampler(&self) {
+        let svc = self.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(COST_SAMPLE_EVERY);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                let ids: Vec<String> = lock(&svc.0.sandboxes).keys().cloned().collect();
+                let s = svc.clone();
+                let _ = tokio::task::spawn_blocking(move || {
+                    lock(&s.0.costs).retain(|id, _| ids.contains(id));
+                    for id in &ids {
+                        s.sample_cost_now(id);
+                    }
+                })
+                .await;
+            }
+        });
     }
 
     /// Starts the task that applies TTLs, idle timeouts and retention.

@@ -51,7 +51,33 @@ fn no_template(name: &str) -> ServiceError {
     ServiceError::NotFound(format!("no template {:?}", truncate(name, 64)))
 }
 
+/// A [`TenantService`] that owns its parts, to move into a blocking task.
+struct Owned {
+    svc: Service,
+    tenant: Tenant,
+}
+
+impl Owned {
+    fn scoped(&self) -> TenantService<'_> {
+        self.svc.for_tenant(&self.tenant)
+    }
+}
+
+/// Runs store reads and filesystem work off the async threads.
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'static) -> Result<T> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| ServiceError::Internal(format!("a blocking task failed: {e}")))?
+}
+
 impl<'a> TenantService<'a> {
+    fn owned(&self) -> Owned {
+        Owned {
+            svc: self.svc.clone(),
+            tenant: self.tenant.clone(),
+        }
+    }
+
     /// The caller's sandbox `id`, or the one 404 for unknown, foreign and malformed ids.
     fn sandbox(&self, id: &str) -> Result<SandboxRecord> {
         if !space_core::is_valid_id(id, "sb") {
@@ -133,13 +159,19 @@ impl<'a> TenantService<'a> {
             .await
     }
 
-    pub fn get_sandbox(&self, id: &str) -> Result<Sandbox> {
-        Ok(self.svc.decorate(self.sandbox(id)?.sandbox))
+    pub async fn get_sandbox(&self, id: &str) -> Result<Sandbox> {
+        let (scope, id) = (self.owned(), id.to_string());
+        blocking(move || {
+            let rec = scope.scoped().sandbox(&id)?;
+            Ok(scope.svc.decorate(rec.sandbox))
+        })
+        .await
     }
 
     /// The tenant's sandboxes, optionally only those carrying all of `labels`.
-    pub fn list_sandboxes(&self, labels: &[(String, String)]) -> Result<Vec<Sandbox>> {
-        self.svc.list_sandboxes(self.tenant.as_str(), labels)
+    pub async fn list_sandboxes(&self, labels: Vec<(String, String)>) -> Result<Vec<Sandbox>> {
+        let scope = self.owned();
+        blocking(move || scope.svc.list_sandboxes(scope.tenant.as_str(), &labels)).await
     }
 
     pub fn destroy_sandbox(&self, id: &str) -> Result<Operation> {

@@ -668,3 +668,65 @@ async fn slow_clients_are_capped_and_dropped() {
     );
     eprintln!("hostile: slow_clients passed");
 }
+
+/// Egress (issue 11, point 9): every cloud's metadata and wire-server addresses are
+/// refused, by address or by a name that resolves to them, and a refusal never tells
+/// the tenant what a name resolved to on the host. Nothing is created.
+#[tokio::test]
+async fn cloud_metadata_addresses_are_refused_without_echoing_names() {
+    let hosts = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(
+        hosts.path(),
+        "169.254.169.254 imds.test\n168.63.129.16 wire.test\n100.100.100.200 ali.test\n\
+         10.20.30.40 inner.test\n",
+    )
+    .unwrap();
+    let s = TestServer::start_with_env(
+        &[],
+        &[("SPACE_EGRESS_HOSTS_FILE", hosts.path().to_str().unwrap())],
+    )
+    .await;
+    let names = ["imds.test", "wire.test", "ali.test", "inner.test"];
+    let addresses = [
+        "169.254.169.254",
+        "169.254.170.2",
+        "168.63.129.16",
+        "168.63.129.16:80",
+        "168.63.0.0/16",
+        "100.100.100.200",
+        "fd00:ec2::254",
+        "[fd00:ec2::254]:80",
+        "fd20:ce::254",
+        "::ffff:169.254.169.254",
+    ];
+    let mut refusals: BTreeSet<String> = BTreeSet::new();
+    for entry in names.iter().chain(addresses.iter()) {
+        let (st, v) = s
+            .post(
+                "/v1/sandboxes",
+                json!({"template": "busybox", "network": {"mode": "egress", "allow": [entry]}}),
+            )
+            .await;
+        assert_eq!(st, 400, "{entry}: {v}");
+        let msg = v["error"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
+        assert!(msg.contains("never reachable"), "{entry}: {msg}");
+        if names.contains(entry) {
+            for leaked in ["169.254", "168.63", "100.100", "10.20"] {
+                assert!(!msg.contains(leaked), "{entry}: the refusal says {msg:?}");
+            }
+            // Nothing tells one refused name from another: not even which range.
+            refusals.insert(msg.replace(entry, "NAME"));
+        }
+    }
+    assert_eq!(refusals.len(), 1, "{refusals:?}");
+    let (_, list) = s.get("/v1/sandboxes").await;
+    assert_eq!(
+        list["sandboxes"],
+        json!([]),
+        "a refused create left a sandbox"
+    );
+    eprintln!("hostile: cloud_metadata_egress passed");
+}
