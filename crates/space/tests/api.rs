@@ -391,10 +391,15 @@ async fn bad_input_gets_a_clear_error_and_changes_nothing() {
         ))
         .await;
     assert!(st == 400 || st == 404);
+    // A bad wait on an operation the caller has (an unknown one is 404 before anything else).
+    let (_, ops) = s.get(&format!("/v1/operations?sandbox_id={sb}")).await;
+    let op = ops["operations"][0]["id"].as_str().unwrap().to_string();
+    let (st, _) = s.get(&format!("/v1/operations/{op}?wait=forever")).await;
+    assert_eq!(st, 400);
     let (st, _) = s
         .get("/v1/operations/op_aaaaaaaaaaaaaaaaaaaa?wait=forever")
         .await;
-    assert_eq!(st, 400);
+    assert_eq!(st, 404);
 
     // Illegal transitions: 409 with the reason.
     let (st, v) = s
