@@ -730,3 +730,169 @@ async fn cloud_metadata_addresses_are_refused_without_echoing_names() {
     );
     eprintln!("hostile: cloud_metadata_egress passed");
 }
+
+/// Per-tenant caps (issue 11, point 5): open streams, template builds and large bodies
+/// in flight are each bounded per tenant (429 with the reason), other tenants are not
+/// affected, and a slot comes back when it is let go.
+#[tokio::test]
+async fn a_tenant_cannot_hold_more_than_its_share_open() {
+    use tokio::io::AsyncWriteExt;
+    let s = TestServer::start_with(&[
+        "--tenant-max-streams",
+        "3",
+        "--tenant-max-builds",
+        "1",
+        "--tenant-max-uploads",
+        "1",
+    ])
+    .await;
+    if !s.runtime_available("gvisor").await {
+        return;
+    }
+    let (greedy, other) = (new_key(&s, "greedy"), new_key(&s, "other"));
+    let open = |key: &str| {
+        s.http
+            .get(format!("{}/v1/events", s.url))
+            .bearer_auth(key)
+            .send()
+    };
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        let r = open(&greedy).await.unwrap();
+        assert_eq!(r.status(), 200);
+        held.push(r);
+    }
+    let r = open(&greedy).await.unwrap();
+    assert_eq!(r.status(), 429);
+    let v: Value = r.json().await.unwrap();
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("limit is 3"),
+        "{v}"
+    );
+    // Another tenant has its own streams; a closed stream gives its slot back.
+    assert_eq!(open(&other).await.unwrap().status(), 200);
+    drop(held.pop());
+    let mut ok = false;
+    for _ in 0..50 {
+        let r = open(&greedy).await.unwrap();
+        if r.status() == 200 {
+            held.push(r);
+            ok = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(ok, "a closed stream never gave its slot back");
+    drop(held);
+
+    // One build at a time.
+    let recipe =
+        |name: &str| json!({"name": name, "base": "busybox", "steps": [{"run": "sleep 15"}]});
+    let (st, b1) = call(
+        &s,
+        &greedy,
+        Method::POST,
+        "/v1/templates",
+        Some(Body::Json(recipe("greedy-a"))),
+    )
+    .await;
+    assert_eq!(st, 202, "{b1}");
+    let (st, v) = call(
+        &s,
+        &greedy,
+        Method::POST,
+        "/v1/templates",
+        Some(Body::Json(recipe("greedy-b"))),
+    )
+    .await;
+    assert_eq!(st, 429, "{v}");
+    let (st, b3) = call(
+        &s,
+        &other,
+        Method::POST,
+        "/v1/templates",
+        Some(Body::Json(recipe("other-a"))),
+    )
+    .await;
+    assert_eq!(st, 202, "{b3}");
+    // The refused build claimed nothing: the name is still free.
+    let (_, tpls) = call(&s, &greedy, Method::GET, "/v1/templates", None).await;
+    assert!(!tpls.to_string().contains("greedy-b"));
+
+    // One large body at a time: an upload whose body trickles holds the slot.
+    let sb = sandbox_as(&s, &greedy, json!({"template": "busybox"})).await;
+    let addr = s.url.trim_start_matches("http://").to_string();
+    let mut slow = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    slow.write_all(
+        format!(
+            "PUT /v1/sandboxes/{sb}/files?path=/tmp/slow HTTP/1.1\r\nHost: x\r\n\
+             Authorization: Bearer {greedy}\r\nContent-Length: 1000\r\n\r\nabc"
+        )
+        .as_bytes(),
+    )
+    .await
+    .unwrap();
+    let mut refused = false;
+    for _ in 0..300 {
+        let (st, v) = call(
+            &s,
+            &greedy,
+            Method::PUT,
+            &format!("/v1/sandboxes/{sb}/files?path=/tmp/fast"),
+            Some(Body::Raw(b"x".to_vec())),
+        )
+        .await;
+        if st == 429 {
+            assert!(
+                v["error"]["message"].as_str().unwrap().contains("uploads"),
+                "{v}"
+            );
+            refused = true;
+            break;
+        }
+        // The slow upload had not reached the server yet.
+        assert_eq!(st, 201, "{v}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        refused,
+        "a second upload went through while the first held the slot"
+    );
+    slow.write_all(&[b'x'; 997]).await.unwrap();
+    drop(slow);
+    let mut ok = false;
+    for _ in 0..50 {
+        let (st, _) = call(
+            &s,
+            &greedy,
+            Method::PUT,
+            &format!("/v1/sandboxes/{sb}/files?path=/tmp/fast"),
+            Some(Body::Raw(b"x".to_vec())),
+        )
+        .await;
+        if st == 201 {
+            ok = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(ok, "the upload slot never came back");
+    for (key, b) in [(&greedy, &b1), (&other, &b3)] {
+        wait_op(&s, key, b["id"].as_str().unwrap()).await;
+    }
+    destroy_as(&s, &greedy, &sb).await;
+    for (key, name) in [(&greedy, "greedy-a"), (&other, "other-a")] {
+        call(
+            &s,
+            key,
+            Method::DELETE,
+            &format!("/v1/templates/{name}"),
+            None,
+        )
+        .await;
+    }
+    eprintln!("hostile: per_tenant_caps passed on gvisor");
+}
