@@ -145,17 +145,22 @@ impl Service {
             }
         }
 
+        let not_running = |state: SandboxState| {
+            ServiceError::Conflict(format!(
+                "sandbox {sandbox_id} is {state}: commands run only in a running sandbox"
+            ))
+        };
+        let Some(handle) = self.live_handle(sandbox_id) else {
+            return Err(not_running(self.record(sandbox_id)?.sandbox.state));
+        };
+        // From the state check until the agent has answered the spawn: no pause or
+        // suspend may begin (they wait for this, bounded by the spawn's own timeouts).
+        let no_freeze = handle.spawns.clone().read_owned().await;
         let rec = self.record(sandbox_id)?;
         self.touch(sandbox_id);
         if rec.sandbox.state != SandboxState::Running {
-            return Err(ServiceError::Conflict(format!(
-                "sandbox {sandbox_id} is {}: commands run only in a running sandbox",
-                rec.sandbox.state
-            )));
+            return Err(not_running(rec.sandbox.state));
         }
-        let handle = self.live_handle(sandbox_id).ok_or_else(|| {
-            ServiceError::Conflict(format!("sandbox {sandbox_id} is not running"))
-        })?;
 
         // Template env, then the sandbox's, then the command's.
         let mut env: BTreeMap<String, String> = rec.template_env.iter().cloned().collect();
@@ -228,8 +233,12 @@ impl Service {
         // Started in a task of its own: a client that hangs up mid-request must not
         // leave the command half-started.
         let svc = self.clone();
-        tokio::spawn(async move { svc.start_command(handle, ch, writer, cmd, spawn).await })
-            .await
+        tokio::spawn(async move {
+            let started = svc.start_command(handle, ch, writer, cmd, spawn).await;
+            drop(no_freeze);
+            started
+        })
+        .await
             .map_err(|e| ServiceError::Internal(format!("starting the command: {e}")))??;
 
         if req.wait == Some(true) {

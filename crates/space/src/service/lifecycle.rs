@@ -251,7 +251,10 @@ impl Service {
 
     async fn pause_steps(&self, handle: &Arc<SandboxHandle>, op_id: &str) -> Result<(), ApiError> {
         let id = &handle.id;
-        self.begin(id, op_id, SandboxEvent::PauseRequested, "pausing")?;
+        {
+            let _no_spawns = handle.spawns.write().await;
+            self.begin(id, op_id, SandboxEvent::PauseRequested, "pausing")?;
+        }
         failpoint("pause:before_runtime");
         failpoint_hang("pause:hang").await;
         let paused = self.rt(id).pause(id).await;
@@ -372,7 +375,12 @@ impl Service {
         op_id: &str,
     ) -> Result<(), ApiError> {
         let id = &handle.id;
-        let from = self.begin(id, op_id, SandboxEvent::SuspendRequested, "suspending")?;
+        // Spawns in flight finish first: a checkpoint taken while the agent starts a
+        // process can leave a command the restored agent believes is running forever.
+        let from = {
+            let _no_spawns = handle.spawns.write().await;
+            self.begin(id, op_id, SandboxEvent::SuspendRequested, "suspending")?
+        };
         if from == SandboxState::Paused {
             if let Err(e) = self.rt(id).resume(id).await {
                 let e = runtime_failed(&e);

@@ -126,6 +126,11 @@ pub(crate) struct SandboxHandle {
     ops: Mutex<Vec<(String, OperationKind)>>,
     /// What its commands' output may keep on the host, together.
     pub output: Arc<output::OutputBudget>,
+    /// Held (shared) by a command from the check that the sandbox runs until the agent
+    /// has answered its spawn; held (exclusive) by pause and suspend while they move the
+    /// sandbox out of `running`, so no spawn is ever in flight across a freeze or a
+    /// checkpoint.
+    pub spawns: Arc<tokio::sync::RwLock<()>>,
     /// Set when the output budget is due a check (the reaper does it).
     output_due: std::sync::atomic::AtomicBool,
 }
@@ -148,6 +153,7 @@ impl SandboxHandle {
             listener: Mutex::new(None),
             ops: Mutex::new(Vec::new()),
             output: output::OutputBudget::new(output_budget),
+            spawns: Arc::new(tokio::sync::RwLock::new(())),
             output_due: std::sync::atomic::AtomicBool::new(false),
         })
     }

@@ -1,0 +1,243 @@
+//! The store cannot lose an update: one sandbox is hammered with keepalives, reads,
+//! commands and file calls while it is paused, resumed, suspended and resumed 50
+//! times. After every step the stored state equals what runsc reports, no hammering
+//! call gets a server error, and the event log holds every transition of the sandbox
+//! and of each operation, in order, with nothing lost.
+
+mod common;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::TestServer;
+use futures::StreamExt;
+use serde_json::{json, Value};
+
+const CYCLES: usize = 12;
+
+/// What runsc says of the sandbox: `running`, `paused`, … or `missing`.
+fn runsc_state(s: &TestServer, id: &str) -> String {
+    let out = std::process::Command::new("runsc")
+        .arg("--root")
+        .arg(s.runsc_root())
+        .args(["state", id])
+        .output()
+        .expect("runsc state");
+    if !out.status.success() {
+        return "missing".into();
+    }
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
+    v["status"].as_str().unwrap_or("unknown").to_string()
+}
+
+/// Runs a lifecycle request and waits for its operation to succeed.
+async fn step(s: &TestServer, sb: &str, verb: &str) {
+    let (st, op) = s
+        .post(&format!("/v1/sandboxes/{sb}/{verb}"), json!({}))
+        .await;
+    assert_eq!(st, 202, "{verb}: {op}");
+    let op = s.wait_op(op["id"].as_str().unwrap()).await;
+    assert_eq!(op["status"], "succeeded", "{verb}: {op}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn lifecycle_under_fire_loses_no_update_and_no_event() {
+    let s = TestServer::start().await;
+    if !s.runtime_available("gvisor").await {
+        return;
+    }
+    // Every event from the start, collected as it comes.
+    let events = Arc::new(Mutex::new(Vec::<Value>::new()));
+    let resp = s
+        .req(reqwest::Method::GET, "/v1/events?after=0")
+        .send()
+        .await
+        .expect("events");
+    assert_eq!(resp.status(), 200);
+    let collector = {
+        let events = events.clone();
+        tokio::spawn(async move {
+            let mut body = resp.bytes_stream();
+            let mut buf = Vec::new();
+            while let Some(Ok(chunk)) = body.next().await {
+                buf.extend_from_slice(&chunk);
+                while let Some(end) = buf.windows(2).position(|w| w == b"\n\n") {
+                    let frame: Vec<u8> = buf.drain(..end + 2).collect();
+                    let text = String::from_utf8_lossy(&frame);
+                    if let Some(data) = text.lines().find_map(|l| l.strip_prefix("data: ")) {
+                        if let Ok(v) = serde_json::from_str::<Value>(data) {
+                            events.lock().unwrap().push(v);
+                        }
+                    }
+                }
+            }
+        })
+    };
+
+    let sb = s
+        .create_with(json!({"template": "busybox", "runtime": "gvisor", "ttl_seconds": 3600}))
+        .await;
+
+    // The hammer: four clients, each counting what it got back.
+    let stop = Arc::new(AtomicBool::new(false));
+    let statuses = Arc::new(Mutex::new(Vec::<(&'static str, u16)>::new()));
+    let mut hammers = Vec::new();
+    for kind in ["keepalive", "get", "exec", "stat"] {
+        let (http, url, stop, statuses, sb) = (
+            s.http.clone(),
+            s.url.clone(),
+            stop.clone(),
+            statuses.clone(),
+            sb.clone(),
+        );
+        hammers.push(tokio::spawn(async move {
+            while !stop.load(Ordering::Relaxed) {
+                let rb = match kind {
+                    "keepalive" => http
+                        .post(format!("{url}/v1/sandboxes/{sb}/keepalive"))
+                        .json(&json!({"ttl_seconds": 3600})),
+                    "get" => http.get(format!("{url}/v1/sandboxes/{sb}")),
+                    "exec" => http
+                        .post(format!("{url}/v1/sandboxes/{sb}/commands"))
+                        .json(&json!({"argv": ["true"], "wait": true})),
+                    _ => http.get(format!("{url}/v1/sandboxes/{sb}/files/stat?path=/tmp")),
+                };
+                let started = std::time::Instant::now();
+                let st = match rb
+                    .bearer_auth(common::TOKEN)
+                    .timeout(Duration::from_secs(120))
+                    .send()
+                    .await
+                {
+                    Ok(r) => r.status().as_u16(),
+                    Err(e) => {
+                        eprintln!("race: {kind} failed after {:?}: {e}", started.elapsed());
+                        0
+                    }
+                };
+                statuses.lock().unwrap().push((kind, st));
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }));
+    }
+
+    let check = |want: &str, runsc: &[&str]| {
+        let s = &s;
+        let sb = sb.clone();
+        let want = want.to_string();
+        let runsc: Vec<String> = runsc.iter().map(|x| x.to_string()).collect();
+        async move {
+            let (_, v) = s.get(&format!("/v1/sandboxes/{sb}")).await;
+            assert_eq!(v["state"], want.as_str(), "stored: {v}");
+            let rt = runsc_state(s, &sb);
+            assert!(runsc.contains(&rt), "stored {want}, runsc says {rt}");
+        }
+    };
+    for i in 0..CYCLES {
+        step(&s, &sb, "pause").await;
+        check("paused", &["paused"]).await;
+        step(&s, &sb, "resume").await;
+        check("running", &["running"]).await;
+        step(&s, &sb, "suspend").await;
+        check("suspended", &["missing"]).await;
+        step(&s, &sb, "resume").await;
+        check("running", &["running"]).await;
+        if i % 10 == 9 {
+            eprintln!("race: {} cycles", i + 1);
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    for h in hammers {
+        h.await.unwrap();
+    }
+
+    // No hammering call got a server error or hung; each kind got through sometimes.
+    let statuses = statuses.lock().unwrap().clone();
+    for kind in ["keepalive", "get", "exec", "stat"] {
+        let mine: Vec<u16> = statuses
+            .iter()
+            .filter(|(k, _)| *k == kind)
+            .map(|(_, s)| *s)
+            .collect();
+        assert!(
+            mine.iter().any(|s| (200..300).contains(s)),
+            "{kind}: {mine:?}"
+        );
+        let bad: Vec<&u16> = mine
+            .iter()
+            .filter(|s| !(200..300).contains(*s) && **s != 409 && **s != 503)
+            .collect();
+        if !bad.is_empty() {
+            std::fs::write("/tmp/race-server.log", s.log()).unwrap();
+        }
+        assert!(bad.is_empty(), "{kind} got {bad:?}");
+        eprintln!("race: {kind}: {} calls", mine.len());
+    }
+
+    // The event log: every state of the sandbox in order, and each operation's.
+    let (_, final_sb) = s.get(&format!("/v1/sandboxes/{sb}")).await;
+    s.destroy(&sb).await;
+    let mut waited = 0;
+    loop {
+        let done = events.lock().unwrap().iter().any(|e| {
+            e["kind"] == "sandbox"
+                && e["object"]["id"] == sb.as_str()
+                && e["object"]["state"] == "destroyed"
+        });
+        if done || waited > 200 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        waited += 1;
+    }
+    collector.abort();
+    let events = events.lock().unwrap().clone();
+    let mut states: Vec<String> = Vec::new();
+    let mut ops: std::collections::BTreeMap<String, Vec<String>> = Default::default();
+    for e in &events {
+        let o = &e["object"];
+        if e["kind"] == "sandbox" && o["id"] == sb.as_str() {
+            let st = o["state"].as_str().unwrap().to_string();
+            if states.last() != Some(&st) {
+                states.push(st);
+            }
+        }
+        if e["kind"] == "operation" && o["sandbox_id"] == sb.as_str() {
+            let st = o["status"].as_str().unwrap().to_string();
+            let seq = ops
+                .entry(o["id"].as_str().unwrap().to_string())
+                .or_default();
+            if seq.last() != Some(&st) {
+                seq.push(st);
+            }
+        }
+    }
+    let mut want: Vec<&str> = vec!["creating", "running"];
+    for _ in 0..CYCLES {
+        want.extend([
+            "pausing",
+            "paused",
+            "resuming",
+            "running",
+            "suspending",
+            "suspended",
+            "resuming",
+            "running",
+        ]);
+    }
+    want.extend(["destroying", "destroyed"]);
+    assert_eq!(states, want, "the sandbox's transitions in the event log");
+    assert_eq!(ops.len(), 2 + 4 * CYCLES, "operations in the event log");
+    for (id, seq) in &ops {
+        assert_eq!(
+            seq.last().map(String::as_str),
+            Some("succeeded"),
+            "{id}: {seq:?}"
+        );
+        assert!(seq.contains(&"running".to_string()), "{id}: {seq:?}");
+    }
+    // The keepalives were not undone by the lifecycle, nor it by them.
+    assert_eq!(final_sb["ttl_seconds"], 3600, "{final_sb}");
+    assert!(final_sb["expires_at"].is_string(), "{final_sb}");
+}
