@@ -239,7 +239,7 @@ impl Service {
             started
         })
         .await
-            .map_err(|e| ServiceError::Internal(format!("starting the command: {e}")))??;
+        .map_err(|e| ServiceError::Internal(format!("starting the command: {e}")))??;
 
         if req.wait == Some(true) {
             let mut done = self.wait_command(sandbox_id, &id, None).await?;

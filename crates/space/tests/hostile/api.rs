@@ -557,8 +557,18 @@ async fn a_revoked_key_loses_its_open_streams() {
 
     // Clean up with a new key of the same tenant.
     let key = new_key(&s, "leaver");
-    wait_op(&s, &key, &build_op).await;
+    let built = wait_op(&s, &key, &build_op).await;
     destroy_as(&s, &key, &sb).await;
+    if let Some(name) = built["template"].as_str() {
+        call(
+            &s,
+            &key,
+            Method::DELETE,
+            &format!("/v1/templates/{name}"),
+            None,
+        )
+        .await;
+    }
     eprintln!("hostile: revoked_key_streams passed on gvisor");
 }
 
