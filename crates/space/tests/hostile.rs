@@ -1639,6 +1639,322 @@ async fn api_abuse(rt: &'static str) {
     h.finish(&[&v]).await;
 }
 
+// ──────────── tenant trees on the host: templates (issue 11, points 3, 4, 5, 10) ────────────
+//
+// Everything here is about what the *host* does with a tree a tenant filled (a sandbox
+// turned into a template, a recipe's files, steps and imports): it never follows a link the
+// tenant made, never lets tenant content become a setuid file another host user can reach,
+// and never stores more than the tenant's quota allows.
+
+/// Type, mode, size, content (or link target) of every entry below `dir`, never following a
+/// link: what "the host tree is untouched" compares.
+fn host_tree(dir: &std::path::Path) -> BTreeSet<(String, u32, u64, Vec<u8>)> {
+    fn walk(dir: &std::path::Path, rel: &str, out: &mut BTreeSet<(String, u32, u64, Vec<u8>)>) {
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            return;
+        };
+        for e in entries.flatten() {
+            let path = e.path();
+            let name = format!("{rel}/{}", e.file_name().to_string_lossy());
+            let m = std::fs::symlink_metadata(&path).unwrap();
+            let content = if m.file_type().is_symlink() {
+                std::fs::read_link(&path)
+                    .unwrap()
+                    .into_os_string()
+                    .into_encoded_bytes()
+            } else if m.is_file() {
+                std::fs::read(&path).unwrap()
+            } else {
+                Vec::new()
+            };
+            out.insert((name.clone(), m.mode(), m.len(), content));
+            if m.is_dir() {
+                walk(&path, &name, out);
+            }
+        }
+    }
+    let mut out = BTreeSet::new();
+    let m = std::fs::symlink_metadata(dir).unwrap();
+    out.insert((".".into(), m.mode(), 0, Vec::new()));
+    walk(dir, "", &mut out);
+    out
+}
+
+/// A host directory with the files `snapshot-template` used to write (and a few more), for
+/// links made inside a sandbox to point at.
+fn decoy_dir(marker: &str) -> tempfile::TempDir {
+    let d = tempfile::Builder::new()
+        .prefix("space-decoy")
+        .tempdir_in("/tmp")
+        .unwrap();
+    for f in ["hosts", "hostname", "resolv.conf", "passwd"] {
+        std::fs::write(d.path().join(f), format!("decoy {f} {marker}\n")).unwrap();
+    }
+    for sub in ["run", "bin", "tmp"] {
+        std::fs::create_dir(d.path().join(sub)).unwrap();
+        std::fs::write(d.path().join(sub).join("keep"), marker).unwrap();
+    }
+    d
+}
+
+/// The host directory of the current version of recipe-built template `name`.
+fn template_rootfs(name: &str) -> PathBuf {
+    let dir = common::templates_dir().join(name);
+    let v = std::fs::read_to_string(dir.join("current")).unwrap();
+    let meta: Value = serde_json::from_slice(
+        &std::fs::read(dir.join("versions").join(v.trim()).join("template.json")).unwrap(),
+    )
+    .unwrap();
+    common::templates_dir()
+        .join(".layers")
+        .join(meta["layer"].as_str().unwrap())
+        .join("rootfs")
+}
+
+/// Whether an unprivileged host user (nobody) can reach `path` at all.
+fn nobody_can_reach(path: &std::path::Path) -> bool {
+    let out = std::process::Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"])
+        .arg("stat")
+        .arg(path)
+        .output()
+        .expect("setpriv (util-linux)");
+    out.status.success()
+}
+
+/// `POST …/snapshot-template` and the finished operation.
+async fn snapshot_op(h: &Hostile, sb: &str, name: &str) -> Value {
+    let (st, op) =
+        h.s.post(
+            &format!("/v1/sandboxes/{sb}/snapshot-template"),
+            json!({ "name": name }),
+        )
+        .await;
+    assert_eq!(st, 202, "{op}");
+    h.s.wait_op(op["id"].as_str().unwrap()).await
+}
+
+/// Deletes template `name` and the cached layers its builds made (the cache is shared by
+/// every test server; these layers hold this run's markers, so nothing else uses them).
+async fn delete_template(h: &Hostile, name: &str) {
+    let resp =
+        h.s.req(reqwest::Method::DELETE, &format!("/v1/templates/{name}"))
+            .send()
+            .await
+            .unwrap();
+    assert_eq!(resp.status(), 204, "{}", resp.text().await.unwrap());
+    remove_layers_of(name);
+}
+
+fn remove_layers_of(name: &str) {
+    let layers = common::templates_dir().join(".layers");
+    for e in std::fs::read_dir(&layers).into_iter().flatten().flatten() {
+        let Ok(meta) = std::fs::read(e.path().join("layer.json")) else {
+            continue;
+        };
+        let meta: Value = serde_json::from_slice(&meta).unwrap_or_default();
+        if meta["template"] == name {
+            std::fs::remove_dir_all(e.path()).unwrap();
+            let lock = layers.join(format!(".{}.lock", e.file_name().to_string_lossy()));
+            let _ = std::fs::remove_file(lock);
+        }
+    }
+    let _ = std::fs::remove_file(common::templates_dir().join(format!(".{name}.lock")));
+}
+
+/// No half-made layer (`.tmp-…`) is left in the shared layer cache by this server's work.
+fn assert_no_partial_layers(since: &BTreeSet<String>) {
+    let layers = common::templates_dir().join(".layers");
+    let now: BTreeSet<String> = std::fs::read_dir(&layers)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(".tmp-"))
+        .collect();
+    let new: Vec<_> = now.difference(since).collect();
+    assert!(new.is_empty(), "half-made layers remain: {new:?}");
+}
+
+fn partial_layers() -> BTreeSet<String> {
+    std::fs::read_dir(common::templates_dir().join(".layers"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(".tmp-"))
+        .collect()
+}
+
+/// `snapshot-template` of a sandbox whose tree is full of traps for the host: its /etc (and
+/// /run) are links to a host directory (the reproduction), /etc's files are links to host
+/// files or hard links to other files, a loop keeps swapping a link in for /etc/hosts, and
+/// there are devices, a fifo, a socket, setuid/setgid root binaries and awkward names. The
+/// host directory and file stay exactly as they were; the template holds a real /etc with
+/// the sandbox's network files, none of the special files, and its setuid binary is out of
+/// reach of other host users. A sparse file far past the sandbox's disk quota fails the
+/// snapshot clearly instead of filling the host.
+async fn snapshot_traps(rt: &'static str) {
+    let Some(h) = setup(rt, &[]).await else {
+        return;
+    };
+    let decoy = decoy_dir(&h.marker);
+    let d = decoy.path().display().to_string();
+    let hf = h.host_file.display().to_string();
+    let host_before = (
+        host_tree(decoy.path()),
+        std::fs::read(&h.host_file).unwrap(),
+    );
+    let busybox_len = std::fs::metadata(common::templates_dir().join("busybox/rootfs/bin/busybox"))
+        .unwrap()
+        .len();
+    let partial = partial_layers();
+    let body = json!({"resources": {"disk_mib": 64}});
+    let v = h.victim(body.clone()).await;
+    let name = format!("hostile-snap-{}", &h.marker[12..24]);
+
+    // Round 1: /etc is a real directory whose files are traps, swapped while the copy runs.
+    h.sh_ok(
+        &v,
+        &format!(
+            "set -e; mkdir -p /data; cd /data
+             ln -s {hf} host-file-link; ln -s {d} host-dir-link; ln -s {d}/hosts etc-hosts-link
+             echo hard > f; ln f hard
+             mkfifo fifo; mknod null c 1 3 || true; {PROBE} unix_socket /data/sock || true
+             cp /bin/busybox suid; chmod 6755 suid; cp /bin/busybox sgid; chmod 2755 sgid
+             # (not a hard link to /bin/busybox itself: gVisor's overlay copies the running
+             # shell's binary up for that, and every later exec of it crashes)
+             touch ... 'new
+line' \"$(printf '\\377')\" ' lead' '\\back'
+             rm -f /etc/hosts /etc/hostname /etc/resolv.conf
+             ln -s {d}/hosts /etc/hosts; ln -s {hf} /etc/hostname; ln suid /etc/resolv.conf
+             (while :; do ln -sfn {d}/passwd /etc/hosts.new && mv -f /etc/hosts.new /etc/hosts;
+                          echo f > /etc/hosts.new && mv -f /etc/hosts.new /etc/hosts; done) \
+               >/dev/null 2>&1 </dev/null &
+             echo started"
+        ),
+    )
+    .await;
+    let op = snapshot_op(&h, &v, &name).await;
+    assert_eq!(op["status"], "succeeded", "{op}");
+    assert_eq!(
+        (
+            host_tree(decoy.path()),
+            std::fs::read(&h.host_file).unwrap()
+        ),
+        host_before,
+        "the host directory or file changed"
+    );
+    let root = template_rootfs(&name);
+    let etc = std::fs::symlink_metadata(root.join("etc")).unwrap();
+    assert!(etc.is_dir(), "the template's /etc is a directory");
+    for (f, want) in [("hostname", "localhost\n"), ("resolv.conf", "")] {
+        let m = std::fs::symlink_metadata(root.join("etc").join(f)).unwrap();
+        assert!(
+            m.is_file() && m.nlink() == 1,
+            "/etc/{f} is a fresh file: {m:?}"
+        );
+        assert_eq!(
+            std::fs::read_to_string(root.join("etc").join(f)).unwrap(),
+            want
+        );
+    }
+    assert!(std::fs::read_to_string(root.join("etc/hosts"))
+        .unwrap()
+        .contains("localhost"));
+    assert_eq!(
+        std::fs::metadata(root.join("data/suid")).unwrap().len(),
+        busybox_len,
+        "the file hard-linked to /etc/resolv.conf was not written through"
+    );
+    for special in ["fifo", "null", "sock"] {
+        assert!(
+            std::fs::symlink_metadata(root.join("data").join(special)).is_err(),
+            "/data/{special} is in the template"
+        );
+    }
+    assert_eq!(
+        std::fs::read_link(root.join("data/host-file-link")).unwrap(),
+        h.host_file,
+        "a link stays a link, never followed"
+    );
+    for f in ["suid", "sgid"] {
+        let path = root.join("data").join(f);
+        assert!(
+            !nobody_can_reach(&path),
+            "another host user can reach the setuid/setgid file {}",
+            path.display()
+        );
+    }
+    // A sandbox of the template sees its own files.
+    let child =
+        h.s.create_with(json!({"template": name, "runtime": rt}))
+            .await;
+    let out = h
+        .sh_ok(
+            &child,
+            "cat /etc/hostname; cat /data/hard; ls /data | wc -l",
+        )
+        .await;
+    assert!(out.starts_with("localhost\nhard\n"), "{out}");
+    h.s.destroy(&child).await;
+    h.healthy("snapshot_links_in_etc", Some(&v)).await;
+
+    // Round 2, the reproduction: /etc and /run are links to host directories.
+    h.sh_ok(
+        &v,
+        &format!(
+            "kill %1 2>/dev/null; rm -rf /etc && ln -s {d} /etc; rm -rf /run && ln -s {d}/run /run; echo ok"
+        ),
+    )
+    .await;
+    let op = snapshot_op(&h, &v, &name).await;
+    assert_eq!(op["status"], "succeeded", "{op}");
+    assert_eq!(
+        (
+            host_tree(decoy.path()),
+            std::fs::read(&h.host_file).unwrap()
+        ),
+        host_before,
+        "the host directory or file changed"
+    );
+    let root = template_rootfs(&name);
+    for dir in ["etc", "run"] {
+        assert!(
+            std::fs::symlink_metadata(root.join(dir)).unwrap().is_dir(),
+            "/{dir} is a real directory in the template"
+        );
+    }
+    assert_eq!(
+        std::fs::read_to_string(root.join("etc/hostname")).unwrap(),
+        "localhost\n"
+    );
+    h.healthy("snapshot_etc_is_a_host_link", Some(&v)).await;
+
+    // Round 3: a sparse file far past the disk quota fails the snapshot, and nothing is left.
+    let big = h.victim(body).await;
+    h.sh_ok(
+        &big,
+        "dd if=/dev/zero of=/sparse bs=1 count=0 seek=100G 2>&1 && ls -l /sparse",
+    )
+    .await;
+    let op = snapshot_op(&h, &big, &format!("{name}-sparse")).await;
+    assert_eq!(op["status"], "failed", "{op}");
+    let msg = op["error"]["message"].as_str().unwrap_or_default();
+    assert!(msg.contains("disk quota"), "the error says why: {op}");
+    assert!(
+        !common::templates_dir()
+            .join(format!("{name}-sparse"))
+            .exists(),
+        "no template was made"
+    );
+    assert_no_partial_layers(&partial);
+    h.healthy("snapshot_sparse_past_quota", Some(&big)).await;
+
+    delete_template(&h, &name).await;
+    h.finish(&[&v, &big]).await;
+}
+
 macro_rules! hostile {
     ($($case:ident),* $(,)?) => {
         mod gvisor {
@@ -1660,4 +1976,10 @@ macro_rules! hostile {
     };
 }
 
-hostile!(resource_abuse, pids_bombs, host_probes, api_abuse);
+hostile!(
+    resource_abuse,
+    pids_bombs,
+    host_probes,
+    api_abuse,
+    snapshot_traps,
+);
