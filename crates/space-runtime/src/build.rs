@@ -404,6 +404,8 @@ pub struct BuildLog {
 
 #[derive(Default)]
 struct LogState {
+    /// The log's length (only this process writes it).
+    len: u64,
     /// Everything before this offset has been dropped.
     dropped_to: u64,
     /// Dropping failed (a filesystem without hole punching): later output is discarded.
@@ -424,12 +426,14 @@ impl BuildLog {
             .append(true)
             .mode(0o600)
             .open(path)?;
-        let dropped_to = log_data_start(&file);
+        let len = file.metadata()?.len();
+        let dropped_to = log_data_start(&file).min(len);
         Ok(BuildLog {
             file,
             path: path.to_owned(),
             cap,
             state: Mutex::new(LogState {
+                len,
                 dropped_to,
                 full: false,
             }),
@@ -447,12 +451,14 @@ impl BuildLog {
     /// Appends `data`, then drops the head if the log has grown past its cap.
     pub fn append(&self, data: &[u8]) {
         let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        if st.full || (&self.file).write_all(data).is_err() || self.cap == 0 {
+        if st.full || (&self.file).write_all(data).is_err() {
             return;
         }
-        let Ok(len) = self.file.metadata().map(|m| m.len()) else {
+        st.len += data.len() as u64;
+        let len = st.len;
+        if self.cap == 0 {
             return;
-        };
+        }
         if len.saturating_sub(st.dropped_to) <= self.cap.saturating_add(LOG_DROP_UNIT) {
             return;
         }
@@ -998,12 +1004,19 @@ impl Builder {
             root: self.runsc_root.clone(),
             id: id.clone(),
         };
+        // Made here, so runsc joins it and leaves it behind: its OOM count says afterwards
+        // whether the host killed the step for memory.
+        let memcg = memory_cgroup(&id);
+        if let Some(dir) = &memcg {
+            let _ = fs::create_dir_all(dir);
+        }
         let mut child = cmd.spawn().at("run", &self.runsc)?;
+        log.line(&format!("==> container {id} runs step {n}/{total}"));
         // The step's output reaches the log through the server, which caps it.
         let copy = |pipe: Option<Box<dyn tokio::io::AsyncRead + Unpin + Send>>| async move {
             use tokio::io::AsyncReadExt;
             let Some(mut pipe) = pipe else { return };
-            let mut buf = vec![0u8; 64 * 1024];
+            let mut buf = vec![0u8; 1 << 20];
             while let Ok(n) = pipe.read(&mut buf).await {
                 if n == 0 {
                     break;
@@ -1036,6 +1049,7 @@ impl Builder {
             status
         })
         .await;
+        let oom = memcg.as_deref().is_some_and(oom_kills);
         drop(guard); // kill + delete the container on every path (also when this future is dropped)
         let _ = fs::remove_dir_all(&bundle);
         let status = match status {
@@ -1046,8 +1060,9 @@ impl Builder {
                     limit.as_secs()
                 ));
                 return Err(fail(format!(
-                    "step {n}/{total} did not finish within its timeout of {}s and was killed; last lines of the build log:\n{}",
+                    "step {n}/{total} did not finish within its timeout of {}s and was killed; a step may use {}; last lines of the build log:\n{}",
                     limit.as_secs(),
+                    self.limits.describe(),
                     log.tail()
                 )));
             }
@@ -1057,8 +1072,12 @@ impl Builder {
                 Some(code) => format!("exited with code {code}"),
                 None => format!("ended with {status}"),
             };
-            let full = disk.is_full();
-            let why = if full {
+            let why = if oom {
+                format!(
+                    " (it ran out of its memory limit of {} MiB)",
+                    self.limits.memory_mib
+                )
+            } else if disk.is_full() {
                 format!(" (its disk of {} MiB is full)", self.limits.disk_mib)
             } else {
                 String::new()
@@ -1390,6 +1409,32 @@ impl Drop for Container {
         }
         remove_build_cgroups(&self.id);
     }
+}
+
+/// The memory cgroup of build container `id` (cgroup v1 or v2), where it is mounted.
+fn memory_cgroup(id: &str) -> Option<PathBuf> {
+    let v1 = Path::new("/sys/fs/cgroup/memory");
+    let base = if v1.is_dir() {
+        v1.to_owned()
+    } else if Path::new("/sys/fs/cgroup/cgroup.controllers").exists() {
+        PathBuf::from("/sys/fs/cgroup")
+    } else {
+        return None;
+    };
+    Some(base.join(BUILD_CGROUP).join(id))
+}
+
+/// Whether the kernel killed a process of the memory cgroup `dir` for memory.
+fn oom_kills(dir: &Path) -> bool {
+    ["memory.oom_control", "memory.events"].iter().any(|f| {
+        fs::read_to_string(dir.join(f)).is_ok_and(|t| {
+            t.lines().any(|l| {
+                l.strip_prefix("oom_kill ")
+                    .and_then(|n| n.trim().parse::<u64>().ok())
+                    .is_some_and(|n| n > 0)
+            })
+        })
+    })
 }
 
 /// Removes the cgroup directories runsc may leave behind for build container `id`.

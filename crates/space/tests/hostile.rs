@@ -1955,6 +1955,190 @@ line' \"$(printf '\\377')\" ' lead' '\\back'
     h.finish(&[&v, &big]).await;
 }
 
+/// Template builds: hostile steps, recipe files, imports and Debian packages. Builds run in
+/// gVisor whatever the sandbox runtime, so these run once.
+mod template_builds {
+    use super::*;
+    use common::TestServer;
+
+    /// Posts a recipe (202) and waits for the build; the operation and its log.
+    async fn build(s: &TestServer, recipe: Value) -> (Value, String) {
+        let (status, op) = s.post("/v1/templates", recipe.clone()).await;
+        assert_eq!(status, 202, "{op}");
+        let id = op["id"].as_str().unwrap().to_string();
+        let op = s.wait_op(&id).await;
+        (op, log(s, &id, false).await)
+    }
+
+    async fn log(s: &TestServer, op: &str, follow: bool) -> String {
+        let resp = s
+            .req(
+                reqwest::Method::GET,
+                &format!("/v1/operations/{op}/log?follow={follow}"),
+            )
+            .send()
+            .await
+            .expect("log");
+        assert_eq!(resp.status(), 200);
+        resp.text().await.expect("log text")
+    }
+
+    async fn delete(s: &TestServer, name: &str) {
+        let resp = s
+            .req(reqwest::Method::DELETE, &format!("/v1/templates/{name}"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 204, "{}", resp.text().await.unwrap());
+        remove_layers_of(name);
+    }
+
+    /// No build container, process, mount, cgroup or half-made layer of this server's builds
+    /// is left; `containers` are the build containers its logs named.
+    fn assert_no_build_left(s: &TestServer, partial: &BTreeSet<String>, containers: &[String]) {
+        let root = s.data_dir().join("build-runsc");
+        let out = std::process::Command::new("runsc")
+            .arg("--root")
+            .arg(&root)
+            .args(["list", "--quiet"])
+            .output()
+            .expect("runsc list");
+        let list = String::from_utf8_lossy(&out.stdout);
+        assert!(list.trim().is_empty(), "build containers remain: {list}");
+        let procs = common::processes_mentioning(&root.to_string_lossy());
+        assert!(procs.is_empty(), "build processes remain: {procs:?}");
+        let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+        let layers = common::templates_dir().join(".layers/.tmp-");
+        assert!(
+            !mounts.contains(&*layers.to_string_lossy()),
+            "a step's disk is still mounted"
+        );
+        for id in containers {
+            assert!(common::processes_mentioning(id).is_empty(), "{id} runs");
+            for c in std::fs::read_dir("/sys/fs/cgroup")
+                .into_iter()
+                .flatten()
+                .flatten()
+            {
+                let cg = c.path().join("space-build").join(id);
+                assert!(!cg.exists(), "cgroup {} remains", cg.display());
+            }
+        }
+        assert_no_partial_layers(partial);
+    }
+
+    /// The build containers a log names.
+    fn containers(log: &str) -> Vec<String> {
+        log.lines()
+            .filter_map(|l| l.strip_prefix("==> container "))
+            .filter_map(|l| l.split_whitespace().next())
+            .map(str::to_owned)
+            .collect()
+    }
+
+    /// Steps that fork-bomb, eat memory, fill the disk, run forever or flood their output:
+    /// each build fails with an error naming the limit (or, for output, its log is capped)
+    /// within the step's timeout, the server stays small and healthy, and nothing is left.
+    #[tokio::test]
+    async fn build_steps_are_bounded() {
+        let s = TestServer::start_with(&[
+            "--build-memory-mib",
+            "256",
+            "--build-pids",
+            "64",
+            "--build-disk-mib",
+            "64",
+            "--build-step-timeout-seconds",
+            "20",
+            "--output-cap-mib",
+            "4",
+        ])
+        .await;
+        if !s.runtime_available("gvisor").await {
+            return;
+        }
+        let nonce = random_hex();
+        let partial = partial_layers();
+        let awk = r#"awk 'BEGIN { s = "xxxxxxxxxxxxxxxx"; while (1) s = s s }'"#;
+        let cases: [(&str, &str, &[&str]); 4] = [
+            (
+                "fork_bomb",
+                "b() { b | b & }; b; sleep 100000",
+                &["timeout of 20s"],
+            ),
+            (
+                "memory_bomb",
+                awk,
+                &["out of memory", "memory limit of 256 MiB", "timeout of 20s"],
+            ),
+            (
+                "disk_fill",
+                "dd if=/dev/zero of=/fill bs=1M count=1000",
+                &["disk of 64 MiB is full"],
+            ),
+            ("runs_forever", "sleep 100000", &["timeout of 20s"]),
+        ];
+        for (case, script, want) in cases {
+            let name = format!("hostile-{}-{}", case.replace('_', "-"), &nonce[..12]);
+            let (op, log) = build(
+                &s,
+                json!({"name": name, "base": "busybox",
+                       "steps": [{"run": format!("echo {nonce}; {script}")}]}),
+            )
+            .await;
+            assert_eq!(op["status"], "failed", "{case}: {op}\n{log}");
+            let msg = op["error"]["message"].as_str().unwrap_or_default();
+            assert!(
+                want.iter().any(|w| msg.contains(w) || log.contains(w)),
+                "{case}: the error names the limit: {msg}"
+            );
+            assert!(msg.contains("a step may use"), "{case}: {msg}");
+            assert!(!common::templates_dir().join(&name).exists());
+            assert_no_build_left(&s, &partial, &containers(&log));
+            remove_layers_of(&name);
+            let (st, _) = s.get("/healthz").await;
+            assert_eq!(st, 200);
+            eprintln!("hostile: build_{case} passed");
+        }
+
+        // 400 MB of output (a server of its own: it takes longer than the timeout above): the
+        // host keeps the last 4 MiB of it, and readers get that tail with a note of what was
+        // dropped, streamed (the server stays small).
+        drop(s);
+        let s = TestServer::start_with(&["--output-cap-mib", "4"]).await;
+        let name = format!("hostile-flood-{}", &nonce[..12]);
+        let (op, log) = build(
+            &s,
+            json!({"name": name, "base": "busybox", "steps": [{"run": format!(
+                "yes xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx | head -c 400000000; echo end-{nonce}"
+            )}]}),
+        )
+        .await;
+        assert_eq!(op["status"], "succeeded", "{op}");
+        let path = s
+            .data_dir()
+            .join("builds")
+            .join(format!("{}.log", op["id"].as_str().unwrap()));
+        let on_disk = std::fs::metadata(&path).unwrap().blocks() * 512;
+        assert!(
+            on_disk <= 8 << 20,
+            "the log takes {on_disk} bytes on the host"
+        );
+        for follow in [false, true] {
+            let text = super::template_builds::log(&s, op["id"].as_str().unwrap(), follow).await;
+            assert!(text.len() <= 6 << 20, "{} bytes", text.len());
+            assert!(text.starts_with("[space: "), "{}", truncated(&text));
+            assert!(text.contains(&format!("end-{nonce}\n")));
+        }
+        assert!(log.contains("published"));
+        let peak = vm_kib(s.pid().unwrap(), "VmHWM");
+        assert!(peak < 200 * 1024, "server peak RSS {peak} KiB");
+        delete(&s, &name).await;
+        assert_no_build_left(&s, &partial, &containers(&log));
+        eprintln!("hostile: build_output_flood passed");
+    }
+}
+
 macro_rules! hostile {
     ($($case:ident),* $(,)?) => {
         mod gvisor {
