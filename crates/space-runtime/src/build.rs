@@ -1090,6 +1090,28 @@ impl Builder {
                 log.tail()
             )));
         }
+        // Holes count: a sparse file takes no room on the step's disk, but every later copy
+        // of the layer (a snapshot of a sandbox, a microVM's disk image) may write it out.
+        let (parent2, root2) = (parent.clone(), step_root.clone());
+        let (before, after) = blocking(name, move || {
+            Ok((
+                crate::tree::apparent_size(&parent2).at("measure", &parent2)?,
+                crate::tree::apparent_size(&root2).at("measure", &root2)?,
+            ))
+        })
+        .await?;
+        if after.saturating_sub(before) > self.limits.disk_bytes() {
+            let line = format!(
+                "step {n}/{total} left {} MiB more file data than it started with, more than its disk of {} MiB (sparse files count at their full size)",
+                (after - before) >> 20,
+                self.limits.disk_mib
+            );
+            log.line(&format!("==> {line}"));
+            return Err(fail(format!(
+                "{line}; a step may use {}",
+                self.limits.describe()
+            )));
+        }
         let (from, to) = (step_root.clone(), rootfs.clone());
         blocking(name, move || {
             // Nothing runs in the step's root any more: a plain copy that never follows a

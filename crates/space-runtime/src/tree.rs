@@ -508,6 +508,19 @@ fn mount_point(name: &OsStr) -> io::Error {
     ))
 }
 
+/// Bytes of the regular files below the directory `path`, holes included (what a copy that
+/// does not keep holes writes), never following a link.
+pub fn apparent_size(path: &Path) -> io::Result<u64> {
+    let mut total = 0u64;
+    Dir::open(path)?.walk(&mut |_, st, _| {
+        if kind(st) == libc::S_IFREG {
+            total = total.saturating_add(st.st_size.max(0) as u64);
+        }
+        Ok(())
+    })?;
+    Ok(total)
+}
+
 /// Removes `path` (a tree a tenant may have filled) without following any link in it and
 /// without crossing into another filesystem. Its parent is trusted; a missing path is fine.
 pub fn remove_tree(path: &Path) -> io::Result<()> {

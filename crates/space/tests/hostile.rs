@@ -2060,7 +2060,7 @@ mod template_builds {
         let nonce = random_hex();
         let partial = partial_layers();
         let awk = r#"awk 'BEGIN { s = "xxxxxxxxxxxxxxxx"; while (1) s = s s }'"#;
-        let cases: [(&str, &str, &[&str]); 4] = [
+        let cases: [(&str, &str, &[&str]); 5] = [
             (
                 "fork_bomb",
                 "b() { b | b & }; b; sleep 100000",
@@ -2077,6 +2077,11 @@ mod template_builds {
                 &["disk of 64 MiB is full"],
             ),
             ("runs_forever", "sleep 100000", &["timeout of 20s"]),
+            (
+                "sparse_file",
+                "dd if=/dev/zero of=/sparse bs=1 count=0 seek=100G",
+                &["sparse files count at their full size"],
+            ),
         ];
         for (case, script, want) in cases {
             let name = format!("hostile-{}-{}", case.replace('_', "-"), &nonce[..12]);

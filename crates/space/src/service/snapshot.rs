@@ -164,9 +164,10 @@ impl Service {
         };
         let lower = {
             let rootfs = std::path::PathBuf::from(&rec.rootfs);
-            tokio::task::spawn_blocking(move || apparent_size(&rootfs))
+            tokio::task::spawn_blocking(move || space_runtime::tree::apparent_size(&rootfs))
                 .await
                 .map_err(|e| ApiError::new("internal", e.to_string()))?
+                .map_err(|e| ApiError::new("internal", format!("measuring the template: {e}")))?
         };
         let quota = r.disk_mib.unwrap_or(0).saturating_mul(1 << 20);
         let max_bytes = lower.saturating_add(quota).min(MAX_SNAPSHOT_BYTES);
@@ -203,19 +204,4 @@ impl Service {
         tracing::info!(sandbox = %sandbox_id, template = %template.name, version = %template.version, "template made from a sandbox");
         Ok(template)
     }
-}
-
-/// Bytes of the regular files under `rootfs` (holes included), never following a link.
-fn apparent_size(rootfs: &std::path::Path) -> u64 {
-    let Ok(dir) = space_runtime::tree::Dir::open(rootfs) else {
-        return 0;
-    };
-    let mut total = 0u64;
-    let _ = dir.walk(&mut |_, st, _| {
-        if space_runtime::tree::kind(st) == libc::S_IFREG {
-            total = total.saturating_add(st.st_size.max(0) as u64);
-        }
-        Ok(())
-    });
-    total
 }
