@@ -2478,7 +2478,7 @@ mod template_builds {
         std::fs::create_dir_all(src.join("bin")).unwrap();
         std::fs::copy("/bin/busybox", src.join("bin/busybox")).unwrap();
         std::fs::set_permissions(
-            &src.join("bin/busybox"),
+            src.join("bin/busybox"),
             std::os::unix::fs::PermissionsExt::from_mode(0o6755),
         )
         .unwrap();
