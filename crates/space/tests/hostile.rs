@@ -2627,15 +2627,15 @@ mod template_builds {
         .await;
         stop.store(true, std::sync::atomic::Ordering::Relaxed);
         let seen = watcher.join().unwrap();
+        assert!(
+            seen.is_empty(),
+            "package processes ran on the host: {seen:?}"
+        );
         assert_eq!(op["status"], "succeeded", "{op}\n{log}");
         assert!(
             log.contains("packages uuid-runtime")
                 && !log.contains("packages uuid-runtime [cached]"),
             "the packages were installed by this build: {log}"
-        );
-        assert!(
-            seen.is_empty(),
-            "package processes ran on the host: {seen:?}"
         );
         let after: Vec<String> = host.iter().map(|p| digest(p)).collect();
         assert_eq!(
