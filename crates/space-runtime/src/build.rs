@@ -1150,16 +1150,15 @@ impl StepDisk {
     ) -> Result<StepDisk, TemplateError> {
         let image = tmp.join("disk.img");
         let (parent2, image2) = (parent.to_owned(), image.clone());
-        let (bytes, inodes) = blocking(name, move || {
+        let inodes = blocking(name, move || {
             let (bytes, inodes) = usage(&parent2)?;
             let mib = (bytes >> 20) + limits.disk_mib;
             // Room for ext4 itself; inodes for what the parent has and a generous share of
             // the quota (one per 16 KiB).
             let size = (mib + (mib / 16).max(16)) << 20;
-            let inodes = inodes + (limits.disk_mib * 64).max(16_384);
             let f = File::create(&image2).at("create", &image2)?;
             f.set_len(size).at("size", &image2)?;
-            Ok((size, inodes))
+            Ok(inodes + (limits.disk_mib * 64).max(16_384))
         })
         .await?;
         let mut disk = StepDisk {
@@ -1167,7 +1166,6 @@ impl StepDisk {
             mount_point: mount_point.to_owned(),
             armed: true,
         };
-        let _ = bytes;
         let (image2, mp, parent2, name2) = (
             image.clone(),
             mount_point.to_owned(),

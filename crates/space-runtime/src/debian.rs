@@ -76,6 +76,9 @@ APT::Architectures {{ \"amd64\"; }};
 APT::Install-Recommends \"false\";
 APT::Sandbox::User \"root\";
 Debug::NoLocking \"true\";
+Acquire::GzipIndexes \"true\";
+Acquire::CompressionTypes::Order {{ \"gz\"; }};
+Acquire::Languages \"none\";
 "
     );
     crate::template::write_atomic(&apt.join("apt.conf"), conf.as_bytes())?;
