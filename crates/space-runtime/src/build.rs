@@ -1093,13 +1093,27 @@ impl Builder {
         // Holes count: a sparse file takes no room on the step's disk, but every later copy
         // of the layer (a snapshot of a sandbox, a microVM's disk image) may write it out.
         let (parent2, root2) = (parent.clone(), step_root.clone());
-        let (before, after) = blocking(name, move || {
-            Ok((
-                crate::tree::apparent_size(&parent2).at("measure", &parent2)?,
-                crate::tree::apparent_size(&root2).at("measure", &root2)?,
-            ))
+        let measured = blocking(name, move || {
+            let before = crate::tree::apparent_size(&parent2).at("measure", &parent2)?;
+            let after = crate::tree::apparent_size(&root2).map_err(|e| TemplateError::Build {
+                name: String::new(),
+                message: e.to_string(),
+            })?;
+            Ok((before, after))
         })
-        .await?;
+        .await;
+        let (before, after) = match measured {
+            Ok(m) => m,
+            Err(TemplateError::Build { message, .. }) => {
+                let line = format!("step {n}/{total} left files that cannot be kept: {message}");
+                log.line(&format!("==> {line}"));
+                return Err(fail(format!(
+                    "{line}; a step may use {}",
+                    self.limits.describe()
+                )));
+            }
+            Err(e) => return Err(e),
+        };
         if after.saturating_sub(before) > self.limits.disk_bytes() {
             let line = format!(
                 "step {n}/{total} left {} MiB more file data than it started with, more than its disk of {} MiB (sparse files count at their full size)",

@@ -478,9 +478,9 @@ impl Dir {
         visit: &mut dyn FnMut(&Path, &libc::stat, &Dir) -> io::Result<()>,
     ) -> io::Result<()> {
         if depth > MAX_DEPTH {
+            let shown: String = rel.to_string_lossy().chars().take(80).collect();
             return Err(io::Error::other(format!(
-                "{}: directories nested deeper than {MAX_DEPTH} levels",
-                rel.display()
+                "directories nested deeper than {MAX_DEPTH} levels (at {shown}…)"
             )));
         }
         for name in self.names()? {

@@ -2060,7 +2060,7 @@ mod template_builds {
         let nonce = random_hex();
         let partial = partial_layers();
         let awk = r#"awk 'BEGIN { s = "xxxxxxxxxxxxxxxx"; while (1) s = s s }'"#;
-        let cases: [(&str, &str, &[&str]); 5] = [
+        let cases: [(&str, &str, &[&str]); 6] = [
             (
                 "fork_bomb",
                 "b() { b | b & }; b; sleep 100000",
@@ -2081,6 +2081,11 @@ mod template_builds {
                 "sparse_file",
                 "dd if=/dev/zero of=/sparse bs=1 count=0 seek=100G",
                 &["sparse files count at their full size"],
+            ),
+            (
+                "deep_tree",
+                "cd /tmp && mkdir -p /deep && cd /deep && for i in $(seq 400); do mkdir d && cd d; done",
+                &["deeper than 256 levels"],
             ),
         ];
         for (case, script, want) in cases {
