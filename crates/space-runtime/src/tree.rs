@@ -544,10 +544,12 @@ pub fn remove_tree(path: &Path) -> io::Result<()> {
 
 /// Makes `path` (and missing parents) a directory only root can enter: mode 0700 whatever
 /// the umask, also when it existed with another mode. For the directories that hold
-/// tenants' content and secrets (the data dir, the template store).
+/// tenants' content and secrets (the data dir, the template store), which the operator
+/// names: a link there is followed.
 pub fn private_dir(path: &Path) -> io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
     std::fs::create_dir_all(path)?;
-    Dir::open(path)?.chmod(0o700)
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o700))
 }
 
 #[cfg(test)]
