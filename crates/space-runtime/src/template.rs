@@ -519,6 +519,10 @@ impl TemplateStore {
         }
         let layers = self.layers_dir();
         let dir = layers.join(key);
+        // Held while the layer is half-made, so no other server sharing the cache takes its
+        // directory for a killed build's leftover.
+        fs::create_dir_all(&layers).at("create", &layers)?;
+        let lock = BuildLock::acquire(&layers, key).await?;
         let (k, n) = (key.to_owned(), name.clone());
         let rootfs = blocking(&name, move || {
             fs::create_dir_all(&layers).at("create", &layers)?;
@@ -551,6 +555,7 @@ impl TemplateStore {
             Ok(dir.join(ROOTFS_DIR))
         })
         .await?;
+        drop(lock);
         self.publish_version(Template {
             rootfs,
             layer: Some(key.to_owned()),

@@ -1762,7 +1762,32 @@ fn remove_layers_of(name: &str) {
     let _ = std::fs::remove_file(common::templates_dir().join(format!(".{name}.lock")));
 }
 
-/// No half-made layer (`.tmp-…`) is left in the shared layer cache by this server's work.
+/// Whether a build holds the lock of layer `key` (another test's build in progress, in the
+/// shared cache).
+fn layer_locked(key: &str) -> bool {
+    use std::os::fd::AsRawFd;
+    let lock = common::templates_dir()
+        .join(".layers")
+        .join(format!(".{key}.lock"));
+    let Ok(f) = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(lock)
+    else {
+        return false;
+    };
+    // SAFETY: a valid descriptor owned by `f`.
+    unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) != 0 }
+}
+
+/// The layer key of a `.tmp-<key>-<hex>` name (or a path inside one).
+fn tmp_key(name: &str) -> Option<&str> {
+    let rest = &name[name.find(".tmp-")? + 5..];
+    Some(rest.split_once('-')?.0)
+}
+
+/// No half-made layer (`.tmp-…`) and no step disk mounted in one is left in the shared layer
+/// cache: what is there and not locked by a build in progress is a leftover.
 fn assert_no_partial_layers(since: &BTreeSet<String>) {
     let layers = common::templates_dir().join(".layers");
     let now: BTreeSet<String> = std::fs::read_dir(&layers)
@@ -1772,8 +1797,24 @@ fn assert_no_partial_layers(since: &BTreeSet<String>) {
         .map(|e| e.file_name().to_string_lossy().into_owned())
         .filter(|n| n.starts_with(".tmp-"))
         .collect();
-    let new: Vec<_> = now.difference(since).collect();
-    assert!(new.is_empty(), "half-made layers remain: {new:?}");
+    let left: Vec<_> = now
+        .difference(since)
+        .filter(|n| !tmp_key(n).is_some_and(layer_locked))
+        .collect();
+    assert!(left.is_empty(), "half-made layers remain: {left:?}");
+    let prefix = layers.join(".tmp-").to_string_lossy().into_owned();
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    for line in mounts.lines() {
+        let Some(point) = line.split(' ').nth(4) else {
+            continue;
+        };
+        if point.starts_with(&prefix) {
+            assert!(
+                tmp_key(point).is_some_and(layer_locked),
+                "a step's disk is still mounted at {point}"
+            );
+        }
+    }
 }
 
 fn partial_layers() -> BTreeSet<String> {
@@ -2007,12 +2048,6 @@ mod template_builds {
         assert!(list.trim().is_empty(), "build containers remain: {list}");
         let procs = common::processes_mentioning(&root.to_string_lossy());
         assert!(procs.is_empty(), "build processes remain: {procs:?}");
-        let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
-        let layers = common::templates_dir().join(".layers/.tmp-");
-        assert!(
-            !mounts.contains(&*layers.to_string_lossy()),
-            "a step's disk is still mounted"
-        );
         for id in containers {
             assert!(common::processes_mentioning(id).is_empty(), "{id} runs");
             for c in std::fs::read_dir("/sys/fs/cgroup")
