@@ -252,6 +252,9 @@ pub struct Limits {
     /// Apply the archive's uid/gid (and setuid/setgid bits); otherwise files
     /// belong to the caller and those bits are dropped.
     pub same_owner: bool,
+    /// Skip device nodes and fifos instead of refusing the archive (imported images may
+    /// carry /dev entries; a sandbox gets its /dev from the runtime).
+    pub skip_special: bool,
 }
 
 impl Default for Limits {
@@ -261,6 +264,7 @@ impl Default for Limits {
             max_entries: 200_000,
             max_name_bytes: 64 << 20,
             same_owner: true,
+            skip_special: false,
         }
     }
 }
@@ -1811,6 +1815,11 @@ impl Unpacker<'_> {
                             FsError::UnsafeArchive("hard link without a target".into())
                         })?;
                         Kind::HardLink(entry_components(&target, "the hard link target")?)
+                    }
+                    tar::EntryType::Char | tar::EntryType::Block | tar::EntryType::Fifo
+                        if self.limits.skip_special =>
+                    {
+                        return Ok(())
                     }
                     tar::EntryType::Char | tar::EntryType::Block | tar::EntryType::Fifo => {
                         return Err(FsError::UnsafeArchive(

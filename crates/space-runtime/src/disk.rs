@@ -99,6 +99,14 @@ pub async fn unmount_below(dir: &Path) -> Result<(), RuntimeError> {
     Ok(())
 }
 
+/// Every mount point at or below `dir`.
+pub(crate) fn mounts_below(dir: &Path) -> Vec<PathBuf> {
+    mount_points()
+        .into_iter()
+        .filter(|p| p.starts_with(dir))
+        .collect()
+}
+
 /// Bytes in use on the filesystem mounted at `mount_point` (none when it is not a mount).
 pub fn used_bytes(mount_point: &Path) -> Option<u64> {
     if !is_mounted(mount_point) {

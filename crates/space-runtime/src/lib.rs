@@ -1,12 +1,15 @@
 //! Runtime drivers for space sandboxes and the template store on disk.
 
 pub mod build;
+mod debian;
 pub mod disk;
 pub mod guest;
 pub mod gvisor;
+pub mod import;
 pub mod microvm;
 pub mod net;
 pub mod template;
+pub mod tree;
 
 /// Total bytes of the regular files under `dir` (what a snapshot or a layer costs on disk).
 pub fn dir_size(dir: &std::path::Path) -> u64 {

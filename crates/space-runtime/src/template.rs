@@ -34,13 +34,15 @@ use std::ffi::OsStr;
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
 use std::os::unix::ffi::OsStrExt;
-use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncBufReadExt, BufReader};
+
+use crate::tree::{self, Dir};
 
 /// Bumped whenever a built-in recipe changes, so stored templates are told apart from new ones.
 const RECIPE_VERSION: &str = "1";
@@ -207,8 +209,12 @@ impl TemplateStore {
     /// Opens the store at `root`, creating the directory if needed.
     pub fn new(root: impl Into<PathBuf>) -> Result<Self, TemplateError> {
         let root = root.into();
-        fs::create_dir_all(&root).at("create", &root)?;
+        // Layers hold whatever tenants put in their templates, setuid root binaries included:
+        // no other host user may reach them.
+        tree::private_dir(&root).at("create", &root)?;
         let root = fs::canonicalize(&root).at("resolve", &root)?;
+        let layers = root.join(LAYERS_DIR);
+        tree::private_dir(&layers).at("create", &layers)?;
         Ok(Self { root })
     }
 
@@ -513,6 +519,10 @@ impl TemplateStore {
         }
         let layers = self.layers_dir();
         let dir = layers.join(key);
+        // Held while the layer is half-made, so no other server sharing the cache takes its
+        // directory for a killed build's leftover.
+        fs::create_dir_all(&layers).at("create", &layers)?;
+        let lock = BuildLock::acquire(&layers, key).await?;
         let (k, n) = (key.to_owned(), name.clone());
         let rootfs = blocking(&name, move || {
             fs::create_dir_all(&layers).at("create", &layers)?;
@@ -545,6 +555,7 @@ impl TemplateStore {
             Ok(dir.join(ROOTFS_DIR))
         })
         .await?;
+        drop(lock);
         self.publish_version(Template {
             rootfs,
             layer: Some(key.to_owned()),
@@ -871,51 +882,33 @@ pub(crate) struct Summary {
 /// modes, owners, sizes and link targets, walked in sorted order. Timestamps are left out, so
 /// identical builds get the same id; file contents are left out to keep this fast.
 pub(crate) fn summarize(rootfs: &Path) -> Result<Summary, TemplateError> {
-    fn walk(
-        dir: &Path,
-        rel: &Path,
-        seen: &mut HashSet<(u64, u64)>,
-        size: &mut u64,
-        hash: &mut Fnv,
-    ) -> Result<(), TemplateError> {
-        let mut entries = fs::read_dir(dir)
-            .at("list", dir)?
-            .map(|e| e.map(|e| e.file_name()))
-            .collect::<Result<Vec<_>, _>>()
-            .at("list", dir)?;
-        entries.sort();
-        for file_name in entries {
-            let path = dir.join(&file_name);
-            let rel = rel.join(&file_name);
-            let meta = fs::symlink_metadata(&path).at("inspect", &path)?;
-            if seen.insert((meta.dev(), meta.ino())) {
-                *size += meta.blocks() * 512;
-            }
-            hash.write(rel.as_os_str().as_bytes());
-            hash.write(&meta.mode().to_le_bytes());
-            hash.write(&meta.uid().to_le_bytes());
-            hash.write(&meta.gid().to_le_bytes());
-            let ft = meta.file_type();
-            if ft.is_file() {
-                hash.write(&meta.len().to_le_bytes());
-            } else if ft.is_symlink() {
-                let target = fs::read_link(&path).at("read link", &path)?;
-                hash.write(target.as_os_str().as_bytes());
-            } else if ft.is_dir() {
-                walk(&path, &rel, seen, size, hash)?;
-            } else {
-                hash.write(&meta.rdev().to_le_bytes());
-            }
-            hash.write(&[0]);
-        }
-        Ok(())
-    }
-    let meta = fs::symlink_metadata(rootfs).at("inspect", rootfs)?;
+    let dir = Dir::open(rootfs).at("open", rootfs)?;
+    let meta = dir.stat().at("inspect", rootfs)?;
     let mut seen = HashSet::new();
-    seen.insert((meta.dev(), meta.ino()));
-    let mut size = meta.blocks() * 512;
+    seen.insert((meta.st_dev, meta.st_ino));
+    let mut size = meta.st_blocks.max(0) as u64 * 512;
     let mut hash = Fnv::new();
-    walk(rootfs, Path::new(""), &mut seen, &mut size, &mut hash)?;
+    dir.walk(&mut |rel, st, parent| {
+        if seen.insert((st.st_dev, st.st_ino)) {
+            size += st.st_blocks.max(0) as u64 * 512;
+        }
+        hash.write(rel.as_os_str().as_bytes());
+        hash.write(&st.st_mode.to_le_bytes());
+        hash.write(&st.st_uid.to_le_bytes());
+        hash.write(&st.st_gid.to_le_bytes());
+        match tree::kind(st) {
+            libc::S_IFREG => hash.write(&(st.st_size.max(0) as u64).to_le_bytes()),
+            libc::S_IFLNK => {
+                let name = rel.file_name().unwrap_or_default();
+                hash.write(&parent.read_link(name)?);
+            }
+            libc::S_IFDIR => {}
+            _ => hash.write(&st.st_rdev.to_le_bytes()),
+        }
+        hash.write(&[0]);
+        Ok(())
+    })
+    .at("measure", rootfs)?;
     Ok(Summary {
         size_bytes: size,
         content_id: hash.finish(),
@@ -940,50 +933,11 @@ impl Fnv {
     }
 }
 
-/// Removes a directory tree without ever crossing into another filesystem (a mount left behind
-/// by a killed build tool must not take the host's /dev or /proc with it).
+/// Removes a directory tree without following a link in it or crossing into another
+/// filesystem (a mount left behind by a killed build tool must not take the host's /dev or
+/// /proc with it); see [`tree::remove_tree`].
 pub(crate) fn remove_tree(path: &Path) -> Result<(), TemplateError> {
-    fn remove(path: &Path, dev: u64) -> Result<(), TemplateError> {
-        let meta = match fs::symlink_metadata(path) {
-            Ok(m) => m,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
-            Err(e) => return Err(e).at("inspect", path),
-        };
-        if !meta.is_dir() {
-            return match fs::remove_file(path) {
-                Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e).at("remove", path),
-                _ => Ok(()),
-            };
-        }
-        if meta.dev() != dev {
-            return Err(TemplateError::Fs {
-                action: "remove (it is a mount point)",
-                path: path.to_owned(),
-                source: io::Error::other("another filesystem is mounted here"),
-            });
-        }
-        for entry in fs::read_dir(path).at("list", path)? {
-            let entry = entry.at("list", path)?;
-            remove(&entry.path(), dev)?;
-        }
-        match fs::remove_dir(path) {
-            Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e).at("remove", path),
-            _ => Ok(()),
-        }
-    }
-    let dev = match path.parent().map(fs::symlink_metadata) {
-        Some(Ok(meta)) => meta.dev(),
-        Some(Err(e)) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
-        Some(Err(e)) => return Err(e).at("inspect", path),
-        None => {
-            return Err(TemplateError::Fs {
-                action: "remove",
-                path: path.to_owned(),
-                source: io::Error::other("refusing to remove a filesystem root"),
-            })
-        }
-    };
-    remove(path, dev)
+    tree::remove_tree(path).at("remove", path)
 }
 
 /// Creates `path` (and missing parents) and sets its mode exactly, whatever the umask.
@@ -1002,38 +956,46 @@ pub(crate) fn chown(path: &Path, uid: u32, gid: u32) -> Result<(), TemplateError
 }
 
 /// Creates the mount points every template needs, leaving /proc, /sys, /dev and /tmp empty.
+/// `rootfs` may hold anything a tenant left there: whatever is in a mount point's place (a
+/// link to a host directory, say) is replaced, never followed.
 pub(crate) fn add_mount_points(rootfs: &Path) -> Result<(), TemplateError> {
+    let root = Dir::open(rootfs).at("open", rootfs)?;
     for (rel, mode) in MOUNT_POINTS {
         let path = rootfs.join(rel);
-        if fs::symlink_metadata(&path).is_ok_and(|m| !m.is_dir()) {
-            fs::remove_file(&path).at("remove", &path)?;
-        }
-        make_dir(&path, *mode)?;
+        let (parent, name) = match rel.rsplit_once('/') {
+            Some((parent, name)) => (root.open_path(parent).at("open", &path)?, name),
+            None => (root.open_path("").at("open", rootfs)?, *rel),
+        };
+        let dir = parent
+            .ensure_dir_mode(OsStr::new(name), *mode)
+            .at("create", &path)?;
         if matches!(*rel, "proc" | "sys" | "dev" | "tmp") {
-            for entry in fs::read_dir(&path).at("list", &path)? {
-                remove_tree(&entry.at("list", &path)?.path())?;
-            }
+            dir.clear().at("empty", &path)?;
         }
     }
     Ok(())
 }
 
-/// Network configuration belongs to the sandbox, not to the template (or to the host that built it).
+/// Network configuration belongs to the sandbox, not to the template (or to the host that
+/// built it). Whatever a tenant left at `/etc` or at these files (links, hard links,
+/// directories) is replaced, never written through.
 pub(crate) fn write_network_files(rootfs: &Path) -> Result<(), TemplateError> {
-    let etc = rootfs.join("etc");
-    for file in ["hosts", "hostname", "resolv.conf"] {
-        let path = etc.join(file);
-        if fs::symlink_metadata(&path).is_ok() {
-            fs::remove_file(&path).at("remove", &path)?;
-        }
+    let etc_path = rootfs.join("etc");
+    let etc = Dir::open(rootfs)
+        .and_then(|root| root.ensure_dir(OsStr::new("etc"), 0o755))
+        .at("create", &etc_path)?;
+    for (file, content) in [
+        (
+            "hosts",
+            "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n",
+        ),
+        ("hostname", "localhost\n"),
+        ("resolv.conf", ""),
+    ] {
+        etc.write_file(OsStr::new(file), content.as_bytes(), 0o644)
+            .at("write", &etc_path.join(file))?;
     }
-    write_file(
-        &etc.join("hosts"),
-        "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n",
-        0o644,
-    )?;
-    write_file(&etc.join("hostname"), "localhost\n", 0o644)?;
-    write_file(&etc.join("resolv.conf"), "", 0o644)
+    Ok(())
 }
 
 fn build_busybox(rootfs: &Path) -> Result<(), TemplateError> {
@@ -1298,21 +1260,24 @@ pub(crate) fn finish_debian(rootfs: &Path) -> Result<(), TemplateError> {
     add_user(rootfs)?;
     write_network_files(rootfs)?;
     // apt's indexes and downloaded packages are rebuilt by `apt-get update` whenever needed.
-    for dir in [
+    let root = Dir::open(rootfs).at("open", rootfs)?;
+    for rel in [
         "var/lib/apt/lists",
         "var/cache/apt/archives",
         "var/cache/apt",
     ] {
-        let dir = rootfs.join(dir);
-        let Ok(entries) = fs::read_dir(&dir) else {
+        let Ok(dir) = root.open_path(rel) else {
             continue;
         };
-        for entry in entries {
-            let entry = entry.at("list", &dir)?;
-            let file_name = entry.file_name();
-            let keep = matches!(file_name.to_str(), Some("partial" | "lock" | "archives"));
-            if !keep && entry.file_type().at("inspect", &entry.path())?.is_file() {
-                fs::remove_file(entry.path()).at("remove", &entry.path())?;
+        let path = rootfs.join(rel);
+        for name in dir.names().at("list", &path)? {
+            let keep = matches!(name.to_str(), Some("partial" | "lock" | "archives"));
+            let is_file = dir
+                .lstat(&name)
+                .at("inspect", &path)?
+                .is_some_and(|st| tree::kind(&st) == libc::S_IFREG);
+            if !keep && is_file {
+                dir.remove(&name).at("remove", &path.join(&name))?;
             }
         }
     }
@@ -1322,13 +1287,19 @@ pub(crate) fn finish_debian(rootfs: &Path) -> Result<(), TemplateError> {
 /// Adds `user` (uid/gid 1000, home /home/user, bash) by editing the account files directly,
 /// which needs neither network nor a chroot.
 fn add_user(rootfs: &Path) -> Result<(), TemplateError> {
-    let etc = rootfs.join("etc");
+    let etc_path = rootfs.join("etc");
+    let root = Dir::open(rootfs).at("open", rootfs)?;
+    let etc = root.open_path("etc").at("open", &etc_path)?;
     let fail = |message: String| TemplateError::Build {
         name: "debian".to_owned(),
         message,
     };
-    let passwd_path = etc.join("passwd");
-    let passwd = fs::read_to_string(&passwd_path).at("read", &passwd_path)?;
+    const MAX_ACCOUNT_FILE: u64 = 16 << 20;
+    let passwd = etc
+        .read_file(OsStr::new("passwd"), MAX_ACCOUNT_FILE)
+        .at("read", &etc_path.join("passwd"))?
+        .ok_or_else(|| fail("the base system has no /etc/passwd".into()))?;
+    let passwd = String::from_utf8_lossy(&passwd);
     let uid = USER_ID.to_string();
     let taken = passwd.lines().any(|l| {
         let mut fields = l.split(':');
@@ -1341,25 +1312,23 @@ fn add_user(rootfs: &Path) -> Result<(), TemplateError> {
     }
     let days = time::OffsetDateTime::now_utc().unix_timestamp() / 86_400;
     let append = |file: &str, line: String, mode: u32| -> Result<(), TemplateError> {
-        let path = etc.join(file);
-        let mut content = match fs::read_to_string(&path) {
-            Ok(c) => c,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => String::new(),
-            Err(e) => return Err(e).at("read", &path),
-        };
-        if !content.is_empty() && !content.ends_with('\n') {
-            content.push('\n');
+        let path = etc_path.join(file);
+        let name = OsStr::new(file);
+        let mut content = etc
+            .read_file(name, MAX_ACCOUNT_FILE)
+            .at("read", &path)?
+            .unwrap_or_default();
+        if !content.is_empty() && !content.ends_with(b"\n") {
+            content.push(b'\n');
         }
-        content.push_str(&line);
-        content.push('\n');
-        let meta = fs::metadata(&path).ok();
-        write_file(
-            &path,
-            &content,
-            meta.as_ref().map_or(mode, |m| m.mode() & 0o7777),
-        )?;
+        content.extend_from_slice(line.as_bytes());
+        content.push(b'\n');
+        let meta = etc.lstat(name).at("inspect", &path)?;
+        let mode = meta.map_or(mode, |m| m.st_mode & 0o7777);
+        etc.write_file(name, &content, mode).at("write", &path)?;
         if let Some(m) = meta {
-            chown(&path, m.uid(), m.gid())?;
+            etc.chown(name, m.st_uid, m.st_gid)
+                .at("change owner of", &path)?;
         }
         Ok(())
     };
@@ -1377,19 +1346,25 @@ fn add_user(rootfs: &Path) -> Result<(), TemplateError> {
     )?;
     append("gshadow", format!("{USER_NAME}:!::"), 0o640)?;
 
-    let home = rootfs.join(USER_HOME);
-    make_dir(&home, 0o755)?;
-    chown(&home, USER_ID, USER_ID)?;
-    let skel = etc.join("skel");
-    if let Ok(entries) = fs::read_dir(&skel) {
-        for entry in entries {
-            let entry = entry.at("list", &skel)?;
-            if !entry.file_type().at("inspect", &entry.path())?.is_file() {
+    let home_path = rootfs.join(USER_HOME);
+    let home = root
+        .ensure_path(USER_HOME, 0o755)
+        .at("create", &home_path)?;
+    root.open_path("home")
+        .and_then(|h| h.chown(OsStr::new("user"), USER_ID, USER_ID))
+        .at("change owner of", &home_path)?;
+    if let Ok(skel) = etc.open_path("skel") {
+        for name in skel.names().at("list", &etc_path.join("skel"))? {
+            let Some(data) = skel
+                .read_file(&name, MAX_ACCOUNT_FILE)
+                .at("read", &etc_path.join("skel").join(&name))?
+            else {
                 continue;
-            }
-            let to = home.join(entry.file_name());
-            fs::copy(entry.path(), &to).at("copy", &to)?;
-            chown(&to, USER_ID, USER_ID)?;
+            };
+            let to = home_path.join(&name);
+            home.write_file(&name, &data, 0o644).at("copy", &to)?;
+            home.chown(&name, USER_ID, USER_ID)
+                .at("change owner of", &to)?;
         }
     }
     Ok(())

@@ -22,6 +22,12 @@ pub enum StoreError {
     Corrupt(#[from] serde_json::Error),
     #[error("database schema version {0} is newer than this server understands")]
     TooNew(i64),
+    #[error("cannot make {} private", path.display())]
+    Permissions {
+        path: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 /// A sandbox plus what only the server may see.
@@ -134,9 +140,42 @@ pub struct Store {
     latest_event: tokio::sync::watch::Sender<i64>,
 }
 
+/// The database holds key hashes, tenants' secrets and agent tokens: only its owner may
+/// read it. The file is created (or fixed) as 0600 before SQLite opens it, whatever the
+/// umask, and SQLite gives its `-wal` and `-shm` files the database file's mode; existing
+/// ones are fixed too.
+fn make_private(path: &Path) -> Result<(), StoreError> {
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+    let private = std::fs::Permissions::from_mode(0o600);
+    let err = |path: &Path| {
+        let path = path.to_owned();
+        move |source| StoreError::Permissions { path, source }
+    };
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(path)
+        .map_err(err(path))?;
+    f.set_permissions(private.clone()).map_err(err(path))?;
+    for suffix in ["-wal", "-shm", "-journal"] {
+        let mut p = path.as_os_str().to_owned();
+        p.push(suffix);
+        let p = std::path::PathBuf::from(p);
+        match std::fs::set_permissions(&p, private.clone()) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(err(&p)(e)),
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
 impl Store {
     /// Opens (creating if needed) the database at `path` and runs migrations.
     pub fn open(path: &Path) -> Result<Store, StoreError> {
+        make_private(path)?;
         let conn = Connection::open(path)?;
         Self::init(conn)
     }

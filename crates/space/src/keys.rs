@@ -57,7 +57,7 @@ pub enum TenantsCmd {
 }
 
 fn open(data_dir: &Path) -> anyhow::Result<Store> {
-    std::fs::create_dir_all(data_dir)
+    space_runtime::tree::private_dir(data_dir)
         .with_context(|| format!("creating {}", data_dir.display()))?;
     Store::open(&data_dir.join("space.db"))
         .with_context(|| format!("opening the database in {}", data_dir.display()))

@@ -171,6 +171,23 @@ struct ServeArgs {
     /// repeatable. None by default: such recipes are refused.
     #[arg(long = "template-import-dir")]
     template_import_dirs: Vec<PathBuf>,
+    /// CPU quota of each template build step, in vCPUs.
+    #[arg(long, default_value_t = 2)]
+    build_vcpus: u32,
+    /// Memory of each template build step, MiB.
+    #[arg(long, default_value_t = 2048)]
+    build_memory_mib: u64,
+    /// Processes of each template build step.
+    #[arg(long, default_value_t = 1024)]
+    build_pids: u64,
+    /// Disk of each template build step for what it writes, MiB; also the most an import or
+    /// a package download of a build may bring in.
+    #[arg(long, default_value_t = 8192)]
+    build_disk_mib: u64,
+    /// Longest a template build step may run, seconds; past it the step is killed and the
+    /// build fails.
+    #[arg(long, default_value_t = 900)]
+    build_step_timeout_seconds: u64,
     /// Most vCPUs a sandbox may ask for.
     #[arg(long, default_value_t = 8)]
     max_vcpus: u32,
@@ -491,6 +508,13 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         output_cap_bytes: args.output_cap_mib.saturating_mul(1 << 20),
         sandbox_output_budget_bytes: args.sandbox_output_mib.saturating_mul(1 << 20),
         template_import_dirs: args.template_import_dirs.clone(),
+        build_limits: space_runtime::build::BuildLimits {
+            vcpus: args.build_vcpus.max(1),
+            memory_mib: args.build_memory_mib.max(64),
+            pids: args.build_pids.max(16),
+            disk_mib: args.build_disk_mib.max(16),
+            step_timeout: std::time::Duration::from_secs(args.build_step_timeout_seconds.max(1)),
+        },
         runsc: args.runsc.clone(),
         platform: args.platform.clone(),
         max_upload_bytes: args.max_upload_mib.saturating_mul(1 << 20),

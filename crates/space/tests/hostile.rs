@@ -1643,6 +1643,1108 @@ async fn api_abuse(rt: &'static str) {
     h.finish(&[&v]).await;
 }
 
+// ──────────── tenant trees on the host: templates (issue 11, points 3, 4, 5, 10) ────────────
+//
+// Everything here is about what the *host* does with a tree a tenant filled (a sandbox
+// turned into a template, a recipe's files, steps and imports): it never follows a link the
+// tenant made, never lets tenant content become a setuid file another host user can reach,
+// and never stores more than the tenant's quota allows.
+
+/// Type, mode, size, content (or link target) of every entry below `dir`, never following a
+/// link: what "the host tree is untouched" compares.
+fn host_tree(dir: &std::path::Path) -> BTreeSet<(String, u32, u64, Vec<u8>)> {
+    fn walk(dir: &std::path::Path, rel: &str, out: &mut BTreeSet<(String, u32, u64, Vec<u8>)>) {
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            return;
+        };
+        for e in entries.flatten() {
+            let path = e.path();
+            let name = format!("{rel}/{}", e.file_name().to_string_lossy());
+            let m = std::fs::symlink_metadata(&path).unwrap();
+            let content = if m.file_type().is_symlink() {
+                std::fs::read_link(&path)
+                    .unwrap()
+                    .into_os_string()
+                    .into_encoded_bytes()
+            } else if m.is_file() {
+                std::fs::read(&path).unwrap()
+            } else {
+                Vec::new()
+            };
+            out.insert((name.clone(), m.mode(), m.len(), content));
+            if m.is_dir() {
+                walk(&path, &name, out);
+            }
+        }
+    }
+    let mut out = BTreeSet::new();
+    let m = std::fs::symlink_metadata(dir).unwrap();
+    out.insert((".".into(), m.mode(), 0, Vec::new()));
+    walk(dir, "", &mut out);
+    out
+}
+
+/// A host directory with the files `snapshot-template` used to write (and a few more), for
+/// links made inside a sandbox to point at.
+fn decoy_dir(marker: &str) -> tempfile::TempDir {
+    let d = tempfile::Builder::new()
+        .prefix("space-decoy")
+        .tempdir_in("/tmp")
+        .unwrap();
+    for f in ["hosts", "hostname", "resolv.conf", "passwd"] {
+        std::fs::write(d.path().join(f), format!("decoy {f} {marker}\n")).unwrap();
+    }
+    for sub in ["run", "bin", "tmp"] {
+        std::fs::create_dir(d.path().join(sub)).unwrap();
+        std::fs::write(d.path().join(sub).join("keep"), marker).unwrap();
+    }
+    d
+}
+
+/// The host directory of the current version of recipe-built template `name`.
+fn template_rootfs(name: &str) -> PathBuf {
+    let dir = common::templates_dir().join(name);
+    let v = std::fs::read_to_string(dir.join("current")).unwrap();
+    let meta: Value = serde_json::from_slice(
+        &std::fs::read(dir.join("versions").join(v.trim()).join("template.json")).unwrap(),
+    )
+    .unwrap();
+    common::templates_dir()
+        .join(".layers")
+        .join(meta["layer"].as_str().unwrap())
+        .join("rootfs")
+}
+
+/// Whether an unprivileged host user (nobody) can reach `path` at all.
+fn nobody_can_reach(path: &std::path::Path) -> bool {
+    let out = std::process::Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"])
+        .arg("stat")
+        .arg(path)
+        .output()
+        .expect("setpriv (util-linux)");
+    out.status.success()
+}
+
+/// `POST …/snapshot-template` and the finished operation.
+async fn snapshot_op(h: &Hostile, sb: &str, name: &str) -> Value {
+    let (st, op) =
+        h.s.post(
+            &format!("/v1/sandboxes/{sb}/snapshot-template"),
+            json!({ "name": name }),
+        )
+        .await;
+    assert_eq!(st, 202, "{op}");
+    h.s.wait_op(op["id"].as_str().unwrap()).await
+}
+
+/// Deletes template `name` and the cached layers its builds made (the cache is shared by
+/// every test server; these layers hold this run's markers, so nothing else uses them).
+async fn delete_template(h: &Hostile, name: &str) {
+    let resp =
+        h.s.req(reqwest::Method::DELETE, &format!("/v1/templates/{name}"))
+            .send()
+            .await
+            .unwrap();
+    assert_eq!(resp.status(), 204, "{}", resp.text().await.unwrap());
+    remove_layers_of(name);
+}
+
+fn remove_layers_of(name: &str) {
+    let layers = common::templates_dir().join(".layers");
+    for e in std::fs::read_dir(&layers).into_iter().flatten().flatten() {
+        let Ok(meta) = std::fs::read(e.path().join("layer.json")) else {
+            continue;
+        };
+        let meta: Value = serde_json::from_slice(&meta).unwrap_or_default();
+        if meta["template"] == name {
+            std::fs::remove_dir_all(e.path()).unwrap();
+            let lock = layers.join(format!(".{}.lock", e.file_name().to_string_lossy()));
+            let _ = std::fs::remove_file(lock);
+        }
+    }
+    let _ = std::fs::remove_file(common::templates_dir().join(format!(".{name}.lock")));
+}
+
+/// Whether a build holds the lock of layer `key` (another test's build in progress, in the
+/// shared cache).
+fn layer_locked(key: &str) -> bool {
+    use std::os::fd::AsRawFd;
+    let lock = common::templates_dir()
+        .join(".layers")
+        .join(format!(".{key}.lock"));
+    let Ok(f) = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(lock)
+    else {
+        return false;
+    };
+    // SAFETY: a valid descriptor owned by `f`.
+    unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) != 0 }
+}
+
+/// The layer key of a `.tmp-<key>-<hex>` name (or a path inside one).
+fn tmp_key(name: &str) -> Option<&str> {
+    let rest = &name[name.find(".tmp-")? + 5..];
+    Some(rest.split_once('-')?.0)
+}
+
+/// No half-made layer (`.tmp-…`) and no step disk mounted in one is left in the shared layer
+/// cache: what is there and not locked by a build in progress is a leftover.
+fn assert_no_partial_layers(since: &BTreeSet<String>) {
+    let layers = common::templates_dir().join(".layers");
+    let now: BTreeSet<String> = std::fs::read_dir(&layers)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(".tmp-"))
+        .collect();
+    let left: Vec<_> = now
+        .difference(since)
+        .filter(|n| !tmp_key(n).is_some_and(layer_locked))
+        .collect();
+    assert!(left.is_empty(), "half-made layers remain: {left:?}");
+    let prefix = layers.join(".tmp-").to_string_lossy().into_owned();
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    for line in mounts.lines() {
+        let Some(point) = line.split(' ').nth(4) else {
+            continue;
+        };
+        if point.starts_with(&prefix) {
+            assert!(
+                tmp_key(point).is_some_and(layer_locked),
+                "a step's disk is still mounted at {point}"
+            );
+        }
+    }
+}
+
+fn partial_layers() -> BTreeSet<String> {
+    std::fs::read_dir(common::templates_dir().join(".layers"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(".tmp-"))
+        .collect()
+}
+
+/// `snapshot-template` of a sandbox whose tree is full of traps for the host: its /etc (and
+/// /run) are links to a host directory (the reproduction), /etc's files are links to host
+/// files or hard links to other files, a loop keeps swapping a link in for /etc/hosts, and
+/// there are devices, a fifo, a socket, setuid/setgid root binaries and awkward names. The
+/// host directory and file stay exactly as they were; the template holds a real /etc with
+/// the sandbox's network files, none of the special files, and its setuid binary is out of
+/// reach of other host users. A sparse file far past the sandbox's disk quota fails the
+/// snapshot clearly instead of filling the host.
+async fn snapshot_traps(rt: &'static str) {
+    let Some(h) = setup(rt, &[]).await else {
+        return;
+    };
+    let decoy = decoy_dir(&h.marker);
+    let d = decoy.path().display().to_string();
+    let hf = h.host_file.display().to_string();
+    let host_before = (
+        host_tree(decoy.path()),
+        std::fs::read(&h.host_file).unwrap(),
+    );
+    let busybox_len = std::fs::metadata(common::templates_dir().join("busybox/rootfs/bin/busybox"))
+        .unwrap()
+        .len();
+    let partial = partial_layers();
+    let body = json!({"resources": {"disk_mib": 64}});
+    let v = h.victim(body.clone()).await;
+    let name = format!("hostile-snap-{}", &h.marker[12..24]);
+
+    // Round 1: /etc is a real directory whose files are traps, swapped while the copy runs.
+    h.sh_ok(
+        &v,
+        &format!(
+            "set -e; mkdir -p /data; cd /data
+             ln -s {hf} host-file-link; ln -s {d} host-dir-link; ln -s {d}/hosts etc-hosts-link
+             echo hard > f; ln f hard
+             mkfifo fifo; mknod null c 1 3 || true; {PROBE} unix_socket /data/sock || true
+             cp /bin/busybox suid; chmod 6755 suid; cp /bin/busybox sgid; chmod 2755 sgid
+             # (not a hard link to /bin/busybox itself: gVisor's overlay copies the running
+             # shell's binary up for that, and every later exec of it crashes)
+             touch ... 'new
+line' \"$(printf '\\377')\" ' lead' '\\back'
+             rm -f /etc/hosts /etc/hostname /etc/resolv.conf
+             ln -s {d}/hosts /etc/hosts; ln -s {hf} /etc/hostname; ln suid /etc/resolv.conf
+             (while :; do ln -sfn {d}/passwd /etc/hosts.new && mv -f /etc/hosts.new /etc/hosts;
+                          echo f > /etc/hosts.new && mv -f /etc/hosts.new /etc/hosts; done) \
+               >/dev/null 2>&1 </dev/null &
+             echo started"
+        ),
+    )
+    .await;
+    let op = snapshot_op(&h, &v, &name).await;
+    assert_eq!(op["status"], "succeeded", "{op}");
+    assert_eq!(
+        (
+            host_tree(decoy.path()),
+            std::fs::read(&h.host_file).unwrap()
+        ),
+        host_before,
+        "the host directory or file changed"
+    );
+    let root = template_rootfs(&name);
+    let etc = std::fs::symlink_metadata(root.join("etc")).unwrap();
+    assert!(etc.is_dir(), "the template's /etc is a directory");
+    for (f, want) in [("hostname", "localhost\n"), ("resolv.conf", "")] {
+        let m = std::fs::symlink_metadata(root.join("etc").join(f)).unwrap();
+        assert!(
+            m.is_file() && m.nlink() == 1,
+            "/etc/{f} is a fresh file: {m:?}"
+        );
+        assert_eq!(
+            std::fs::read_to_string(root.join("etc").join(f)).unwrap(),
+            want
+        );
+    }
+    assert!(std::fs::read_to_string(root.join("etc/hosts"))
+        .unwrap()
+        .contains("localhost"));
+    assert_eq!(
+        std::fs::metadata(root.join("data/suid")).unwrap().len(),
+        busybox_len,
+        "the file hard-linked to /etc/resolv.conf was not written through"
+    );
+    for special in ["fifo", "null", "sock"] {
+        assert!(
+            std::fs::symlink_metadata(root.join("data").join(special)).is_err(),
+            "/data/{special} is in the template"
+        );
+    }
+    assert_eq!(
+        std::fs::read_link(root.join("data/host-file-link")).unwrap(),
+        h.host_file,
+        "a link stays a link, never followed"
+    );
+    for f in ["suid", "sgid"] {
+        let path = root.join("data").join(f);
+        assert!(
+            !nobody_can_reach(&path),
+            "another host user can reach the setuid/setgid file {}",
+            path.display()
+        );
+    }
+    // A sandbox of the template sees its own files.
+    let child =
+        h.s.create_with(json!({"template": name, "runtime": rt}))
+            .await;
+    let out = h
+        .sh_ok(
+            &child,
+            "cat /etc/hostname; cat /data/hard; ls /data | wc -l",
+        )
+        .await;
+    assert!(out.starts_with("localhost\nhard\n"), "{out}");
+    h.s.destroy(&child).await;
+    h.healthy("snapshot_links_in_etc", Some(&v)).await;
+
+    // Round 2, the reproduction: /etc and /run are links to host directories.
+    h.sh_ok(
+        &v,
+        &format!(
+            "kill %1 2>/dev/null; rm -rf /etc && ln -s {d} /etc; rm -rf /run && ln -s {d}/run /run; echo ok"
+        ),
+    )
+    .await;
+    let op = snapshot_op(&h, &v, &name).await;
+    assert_eq!(op["status"], "succeeded", "{op}");
+    assert_eq!(
+        (
+            host_tree(decoy.path()),
+            std::fs::read(&h.host_file).unwrap()
+        ),
+        host_before,
+        "the host directory or file changed"
+    );
+    let root = template_rootfs(&name);
+    for dir in ["etc", "run"] {
+        assert!(
+            std::fs::symlink_metadata(root.join(dir)).unwrap().is_dir(),
+            "/{dir} is a real directory in the template"
+        );
+    }
+    assert_eq!(
+        std::fs::read_to_string(root.join("etc/hostname")).unwrap(),
+        "localhost\n"
+    );
+    h.healthy("snapshot_etc_is_a_host_link", Some(&v)).await;
+
+    // Round 3: a sparse file far past the disk quota fails the snapshot, and nothing is left.
+    let big = h.victim(body).await;
+    h.sh_ok(
+        &big,
+        "dd if=/dev/zero of=/sparse bs=1 count=0 seek=100G 2>&1 && ls -l /sparse",
+    )
+    .await;
+    let op = snapshot_op(&h, &big, &format!("{name}-sparse")).await;
+    assert_eq!(op["status"], "failed", "{op}");
+    let msg = op["error"]["message"].as_str().unwrap_or_default();
+    assert!(msg.contains("disk quota"), "the error says why: {op}");
+    assert!(
+        !common::templates_dir()
+            .join(format!("{name}-sparse"))
+            .exists(),
+        "no template was made"
+    );
+    assert_no_partial_layers(&partial);
+    h.healthy("snapshot_sparse_past_quota", Some(&big)).await;
+
+    delete_template(&h, &name).await;
+    h.finish(&[&v, &big]).await;
+}
+
+/// Template builds: hostile steps, recipe files, imports and Debian packages. Builds run in
+/// gVisor whatever the sandbox runtime, so these run once.
+mod template_builds {
+    use super::*;
+    use common::TestServer;
+
+    /// Posts a recipe (202) and waits for the build; the operation and its log.
+    async fn build(s: &TestServer, recipe: Value) -> (Value, String) {
+        let (status, op) = s.post("/v1/templates", recipe.clone()).await;
+        assert_eq!(status, 202, "{op}");
+        let id = op["id"].as_str().unwrap().to_string();
+        let op = s.wait_op(&id).await;
+        (op, log(s, &id, false).await)
+    }
+
+    async fn log(s: &TestServer, op: &str, follow: bool) -> String {
+        let resp = s
+            .req(
+                reqwest::Method::GET,
+                &format!("/v1/operations/{op}/log?follow={follow}"),
+            )
+            .send()
+            .await
+            .expect("log");
+        assert_eq!(resp.status(), 200);
+        resp.text().await.expect("log text")
+    }
+
+    async fn delete(s: &TestServer, name: &str) {
+        let resp = s
+            .req(reqwest::Method::DELETE, &format!("/v1/templates/{name}"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 204, "{}", resp.text().await.unwrap());
+        remove_layers_of(name);
+    }
+
+    /// No build container, process, mount, cgroup or half-made layer of this server's builds
+    /// is left; `containers` are the build containers its logs named.
+    fn assert_no_build_left(s: &TestServer, partial: &BTreeSet<String>, containers: &[String]) {
+        let root = s.data_dir().join("build-runsc");
+        let out = std::process::Command::new("runsc")
+            .arg("--root")
+            .arg(&root)
+            .args(["list", "--quiet"])
+            .output()
+            .expect("runsc list");
+        let list = String::from_utf8_lossy(&out.stdout);
+        assert!(list.trim().is_empty(), "build containers remain: {list}");
+        let procs = common::processes_mentioning(&root.to_string_lossy());
+        assert!(procs.is_empty(), "build processes remain: {procs:?}");
+        for id in containers {
+            assert!(common::processes_mentioning(id).is_empty(), "{id} runs");
+            for c in std::fs::read_dir("/sys/fs/cgroup")
+                .into_iter()
+                .flatten()
+                .flatten()
+            {
+                let cg = c.path().join("space-build").join(id);
+                assert!(!cg.exists(), "cgroup {} remains", cg.display());
+            }
+        }
+        assert_no_partial_layers(partial);
+    }
+
+    /// The build containers a log names.
+    fn containers(log: &str) -> Vec<String> {
+        log.lines()
+            .filter_map(|l| l.strip_prefix("==> container "))
+            .filter_map(|l| l.split_whitespace().next())
+            .map(str::to_owned)
+            .collect()
+    }
+
+    /// Steps that fork-bomb, eat memory, fill the disk, run forever or flood their output:
+    /// each build fails with an error naming the limit (or, for output, its log is capped)
+    /// within the step's timeout, the server stays small and healthy, and nothing is left.
+    #[tokio::test]
+    async fn build_steps_are_bounded() {
+        let s = TestServer::start_with(&[
+            "--build-memory-mib",
+            "256",
+            "--build-pids",
+            "64",
+            "--build-disk-mib",
+            "64",
+            "--build-step-timeout-seconds",
+            "20",
+            "--output-cap-mib",
+            "4",
+        ])
+        .await;
+        if !s.runtime_available("gvisor").await {
+            return;
+        }
+        let nonce = random_hex();
+        let partial = partial_layers();
+        let awk = r#"awk 'BEGIN { s = "xxxxxxxxxxxxxxxx"; while (1) s = s s }'"#;
+        let cases: [(&str, &str, &[&str]); 6] = [
+            (
+                "fork_bomb",
+                "b() { b | b & }; b; sleep 100000",
+                &["timeout of 20s"],
+            ),
+            (
+                "memory_bomb",
+                awk,
+                &["out of memory", "memory limit of 256 MiB", "timeout of 20s"],
+            ),
+            (
+                "disk_fill",
+                "dd if=/dev/zero of=/fill bs=1M count=1000",
+                &["disk of 64 MiB is full"],
+            ),
+            ("runs_forever", "sleep 100000", &["timeout of 20s"]),
+            (
+                "sparse_file",
+                "dd if=/dev/zero of=/sparse bs=1 count=0 seek=100G",
+                &["sparse files count at their full size"],
+            ),
+            (
+                "deep_tree",
+                "cd /tmp && mkdir -p /deep && cd /deep && for i in $(seq 400); do mkdir d && cd d; done",
+                &["deeper than 256 levels"],
+            ),
+        ];
+        for (case, script, want) in cases {
+            let name = format!("hostile-{}-{}", case.replace('_', "-"), &nonce[..12]);
+            let (op, log) = build(
+                &s,
+                json!({"name": name, "base": "busybox",
+                       "steps": [{"run": format!("echo {nonce}; {script}")}]}),
+            )
+            .await;
+            assert_eq!(op["status"], "failed", "{case}: {op}\n{log}");
+            let msg = op["error"]["message"].as_str().unwrap_or_default();
+            assert!(
+                want.iter().any(|w| msg.contains(w) || log.contains(w)),
+                "{case}: the error names the limit: {msg}"
+            );
+            assert!(msg.contains("a step may use"), "{case}: {msg}");
+            assert!(!common::templates_dir().join(&name).exists());
+            assert_no_build_left(&s, &partial, &containers(&log));
+            remove_layers_of(&name);
+            let (st, _) = s.get("/healthz").await;
+            assert_eq!(st, 200);
+            eprintln!("hostile: build_{case} passed");
+        }
+
+        // 400 MB of output (a server of its own: it takes longer than the timeout above): the
+        // host keeps the last 4 MiB of it, and readers get that tail with a note of what was
+        // dropped, streamed (the server stays small).
+        drop(s);
+        let s = TestServer::start_with(&["--output-cap-mib", "4"]).await;
+        let name = format!("hostile-flood-{}", &nonce[..12]);
+        let (op, log) = build(
+            &s,
+            json!({"name": name, "base": "busybox", "steps": [{"run": format!(
+                "yes xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx | head -c 400000000; echo end-{nonce}"
+            )}]}),
+        )
+        .await;
+        assert_eq!(op["status"], "succeeded", "{op}");
+        let path = s
+            .data_dir()
+            .join("builds")
+            .join(format!("{}.log", op["id"].as_str().unwrap()));
+        let on_disk = std::fs::metadata(&path).unwrap().blocks() * 512;
+        assert!(
+            on_disk <= 8 << 20,
+            "the log takes {on_disk} bytes on the host"
+        );
+        for follow in [false, true] {
+            let text = super::template_builds::log(&s, op["id"].as_str().unwrap(), follow).await;
+            assert!(text.len() <= 6 << 20, "{} bytes", text.len());
+            assert!(text.starts_with("[space: "), "{}", truncated(&text));
+            assert!(text.contains(&format!("end-{nonce}\n")));
+        }
+        assert!(log.contains("published"));
+        let peak = vm_kib(s.pid().unwrap(), "VmHWM");
+        assert!(peak < 200 * 1024, "server peak RSS {peak} KiB");
+        delete(&s, &name).await;
+        assert_no_build_left(&s, &partial, &containers(&log));
+        eprintln!("hostile: build_output_flood passed");
+    }
+
+    /// A tar member written raw (the tar crate refuses to build `..` or absolute names).
+    fn raw_member(
+        b: &mut tar::Builder<Vec<u8>>,
+        name: &str,
+        kind: tar::EntryType,
+        link: Option<&str>,
+        mode: u32,
+        data: &[u8],
+    ) {
+        let mut h = tar::Header::new_gnu();
+        {
+            let gnu = h.as_gnu_mut().unwrap();
+            gnu.name[..name.len()].copy_from_slice(name.as_bytes());
+            if let Some(l) = link {
+                gnu.linkname[..l.len()].copy_from_slice(l.as_bytes());
+            }
+        }
+        h.set_entry_type(kind);
+        h.set_mode(mode);
+        h.set_uid(0);
+        h.set_gid(0);
+        h.set_size(data.len() as u64);
+        if matches!(kind, tar::EntryType::Char | tar::EntryType::Block) {
+            h.set_device_major(1).unwrap();
+            h.set_device_minor(3).unwrap();
+        }
+        h.set_cksum();
+        b.append(&h, data).unwrap();
+    }
+
+    fn no_special_files(root: &std::path::Path) {
+        for e in walk(root) {
+            let m = std::fs::symlink_metadata(&e).unwrap();
+            let t = m.file_type();
+            use std::os::unix::fs::FileTypeExt;
+            assert!(
+                !(t.is_char_device() || t.is_block_device() || t.is_fifo() || t.is_socket()),
+                "{} is a device, fifo or socket on the host",
+                e.display()
+            );
+        }
+    }
+
+    fn walk(root: &std::path::Path) -> Vec<PathBuf> {
+        let mut out = Vec::new();
+        let mut stack = vec![root.to_path_buf()];
+        while let Some(d) = stack.pop() {
+            for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+                let m = std::fs::symlink_metadata(e.path()).unwrap();
+                if m.is_dir() {
+                    stack.push(e.path());
+                }
+                out.push(e.path());
+            }
+        }
+        out
+    }
+
+    /// Recipes whose trees are traps for the host: a step that makes the mount points and
+    /// /etc links to a host directory (and setuid files, devices, fifos), recipe `files`
+    /// written through links, `tar:` imports with `..`, absolute names, entries below a link,
+    /// hard links out, devices and setuid files (plain and gzip), an `oci:` layout whose
+    /// layers leave links to the host and whiteouts through them or whose blob is a link to a
+    /// host file, and a `dir:` import holding links, a fifo, a device and a setuid binary. The
+    /// host directory and file stay exactly as they were, refused archives fail the build and
+    /// leave nothing, and what is imported holds no device node and no setuid file another
+    /// host user can reach.
+    #[tokio::test]
+    async fn recipe_trees_stay_in_their_layer() {
+        let import = tempfile::Builder::new()
+            .prefix("space-import")
+            .tempdir_in("/tmp")
+            .unwrap();
+        let s = TestServer::start_with(&["--template-import-dir", import.path().to_str().unwrap()])
+            .await;
+        if !s.runtime_available("gvisor").await {
+            return;
+        }
+        let nonce = random_hex();
+        let decoy = decoy_dir(&nonce);
+        let d = decoy.path().display().to_string();
+        let host_file = PathBuf::from(format!("/tmp/spacehostile{nonce}"));
+        std::fs::write(&host_file, &nonce).unwrap();
+        let hf = host_file.display().to_string();
+        let before = (host_tree(decoy.path()), std::fs::read(&host_file).unwrap());
+        let untouched = |what: &str| {
+            assert_eq!(
+                (host_tree(decoy.path()), std::fs::read(&host_file).unwrap()),
+                before,
+                "{what}: the host directory or file changed"
+            );
+        };
+        let partial = partial_layers();
+        let mut names = Vec::new();
+
+        // A step leaves links where the host adds mount points, and traps in /etc.
+        let a = format!("hostile-tree-a-{}", &nonce[..12]);
+        let (op, log) = build(
+            &s,
+            json!({"name": a, "base": "busybox", "steps": [{"run": format!(
+                "echo {nonce}; rm -rf /.space /tmp /run /dev /sys
+                 ln -s {d} /.space; ln -s {d} /tmp; ln -s {d}/run /run; ln -s {hf} /dev; ln -s {d} /sys
+                 ln -s {d} /etc/hostdir; ln -s {hf} /etc/hostfile; mkdir -p /opt; ln -s {d} /opt/link
+                 cp /bin/busybox /suid; chmod 6755 /suid; mknod /cdev c 1 3 || true; mkfifo /fifo"
+            )}]}),
+        )
+        .await;
+        assert_eq!(op["status"], "succeeded", "{op}\n{log}");
+        names.push(a.clone());
+        untouched("step links");
+        let root = template_rootfs(&a);
+        for dir in [
+            ".space",
+            ".space/bin",
+            ".space/run",
+            "tmp",
+            "run",
+            "dev",
+            "sys",
+        ] {
+            assert!(
+                std::fs::symlink_metadata(root.join(dir)).unwrap().is_dir(),
+                "/{dir} is a real directory"
+            );
+        }
+        no_special_files(&root);
+        assert!(!nobody_can_reach(&root.join("suid")));
+
+        // Recipe files through those links land inside the layer.
+        let b = format!("hostile-tree-b-{}", &nonce[..12]);
+        let file = |path: &str| json!({"path": path, "content": "planted", "mode": 0o4755});
+        let (op, log) = build(
+            &s,
+            json!({"name": b, "base": format!("template:{a}"), "files": [
+                file("/opt/link/planted"), file("/etc/hostfile"), file("/etc/hostdir/hosts"),
+                file("/tmp/planted"), file("/.space/planted")
+            ]}),
+        )
+        .await;
+        assert_eq!(op["status"], "succeeded", "{op}\n{log}");
+        names.push(b.clone());
+        untouched("recipe files");
+        let root = template_rootfs(&b);
+        let inside = |p: &str| root.join(p.trim_start_matches('/'));
+        assert!(inside(&format!("{d}/planted")).is_file());
+        assert!(inside(&hf).is_file());
+        assert!(!nobody_can_reach(&inside(&hf)));
+
+        // tar: refused archives fail and leave nothing; devices are skipped.
+        let tars: Vec<(&str, Vec<u8>, bool)> = {
+            use tar::EntryType as T;
+            let mut v = Vec::new();
+            let mut t = tar::Builder::new(Vec::new());
+            raw_member(
+                &mut t,
+                &format!("../escape-{nonce}"),
+                T::Regular,
+                None,
+                0o644,
+                b"x",
+            );
+            v.push(("dotdot", t.into_inner().unwrap(), false));
+            let mut t = tar::Builder::new(Vec::new());
+            raw_member(
+                &mut t,
+                &format!("/tmp/abs-{nonce}"),
+                T::Regular,
+                None,
+                0o644,
+                b"x",
+            );
+            v.push(("absolute", t.into_inner().unwrap(), false));
+            let mut t = tar::Builder::new(Vec::new());
+            raw_member(&mut t, "link", T::Symlink, Some(&d), 0o777, b"");
+            raw_member(&mut t, "link/hosts", T::Regular, None, 0o644, b"planted");
+            v.push(("below_a_link", t.into_inner().unwrap(), false));
+            let mut t = tar::Builder::new(Vec::new());
+            raw_member(&mut t, "hard", T::Link, Some(&hf[1..]), 0o644, b"");
+            v.push(("hard_link_out", t.into_inner().unwrap(), false));
+            let mut t = tar::Builder::new(Vec::new());
+            raw_member(&mut t, "bin/", T::Directory, None, 0o755, b"");
+            raw_member(&mut t, "bin/suid", T::Regular, None, 0o6755, b"#!/bin/sh\n");
+            raw_member(&mut t, "dev-null", T::Char, None, 0o666, b"");
+            raw_member(&mut t, "fifo", T::Fifo, None, 0o644, b"");
+            raw_member(&mut t, "host-link", T::Symlink, Some(&hf), 0o777, b"");
+            v.push(("devices_and_setuid", t.into_inner().unwrap(), true));
+            v
+        };
+        for (case, data, ok) in tars {
+            for gz in [false, true] {
+                let path = import.path().join(format!("{case}-{gz}.tar"));
+                let data = if gz {
+                    let mut e =
+                        flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+                    std::io::Write::write_all(&mut e, &data).unwrap();
+                    e.finish().unwrap()
+                } else {
+                    data.clone()
+                };
+                std::fs::write(&path, data).unwrap();
+                let name = format!(
+                    "hostile-tar-{}-{gz}-{}",
+                    case.replace('_', "-"),
+                    &nonce[..8]
+                );
+                let (op, log) = build(
+                    &s,
+                    json!({"name": name, "base": format!("tar:{}", path.display())}),
+                )
+                .await;
+                untouched(case);
+                assert!(!PathBuf::from(format!("/tmp/escape-{nonce}")).exists());
+                assert!(!PathBuf::from(format!("/tmp/abs-{nonce}")).exists());
+                if ok {
+                    assert_eq!(op["status"], "succeeded", "{case}: {op}\n{log}");
+                    let root = template_rootfs(&name);
+                    no_special_files(&root);
+                    assert!(!nobody_can_reach(&root.join("bin/suid")));
+                    names.push(name);
+                } else {
+                    assert_eq!(op["status"], "failed", "{case}: {op}\n{log}");
+                    assert!(!common::templates_dir().join(&name).exists());
+                    remove_layers_of(&name);
+                }
+            }
+            eprintln!("hostile: tar_import_{case} passed");
+        }
+
+        // oci: the lower layer leaves links to the host; the upper writes and whites out
+        // through them. A blob that is a link to a host file is refused.
+        let work = import.path().join("oci-work");
+        let layout = import.path().join("layout");
+        let mut layers = Vec::new();
+        for (i, members) in [
+            vec![
+                ("etc", tar::EntryType::Symlink, Some(d.as_str())),
+                ("data", tar::EntryType::Symlink, Some(d.as_str())),
+                ("out", tar::EntryType::Symlink, Some(d.as_str())),
+            ],
+            vec![
+                ("etc/", tar::EntryType::Directory, None),
+                ("etc/hosts", tar::EntryType::Regular, None),
+                ("data/", tar::EntryType::Directory, None),
+                ("data/.wh..wh..opq", tar::EntryType::Regular, None),
+                ("out/", tar::EntryType::Directory, None),
+                ("out/.wh.hosts", tar::EntryType::Regular, None),
+                (".wh.nothing", tar::EntryType::Regular, None),
+            ],
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let mut t = tar::Builder::new(Vec::new());
+            for (name, kind, link) in members {
+                let mode = if kind == tar::EntryType::Directory {
+                    0o755
+                } else {
+                    0o644
+                };
+                raw_member(&mut t, name, kind, link, mode, b"");
+            }
+            std::fs::create_dir_all(&work).unwrap();
+            let file = work.join(format!("l{i}.tar"));
+            std::fs::write(&file, t.into_inner().unwrap()).unwrap();
+            layers.push(oci_blob(
+                &layout,
+                "application/vnd.oci.image.layer.v1.tar",
+                &file,
+            ));
+        }
+        let make_layout = |layers: &[Value]| {
+            let config = work.join("config.json");
+            std::fs::write(&config, r#"{"architecture":"amd64","os":"linux"}"#).unwrap();
+            let config = oci_blob(&layout, "application/vnd.oci.image.config.v1+json", &config);
+            let manifest = work.join("manifest.json");
+            std::fs::write(
+                &manifest,
+                json!({"schemaVersion": 2, "config": config, "layers": layers}).to_string(),
+            )
+            .unwrap();
+            let manifest = oci_blob(
+                &layout,
+                "application/vnd.oci.image.manifest.v1+json",
+                &manifest,
+            );
+            std::fs::write(
+                layout.join("index.json"),
+                json!({"schemaVersion": 2, "manifests": [manifest]}).to_string(),
+            )
+            .unwrap();
+        };
+        make_layout(&layers);
+        let name = format!("hostile-oci-{}", &nonce[..12]);
+        let (op, log) = build(
+            &s,
+            json!({"name": name, "base": format!("oci:{}", layout.display())}),
+        )
+        .await;
+        assert_eq!(op["status"], "succeeded", "{op}\n{log}");
+        untouched("oci layers");
+        let root = template_rootfs(&name);
+        for dir in ["etc", "data", "out"] {
+            assert!(
+                std::fs::symlink_metadata(root.join(dir)).unwrap().is_dir(),
+                "/{dir}"
+            );
+        }
+        names.push(name);
+        // The first layer's blob becomes a link to a host tar.
+        let evil = work.join("evil.tar");
+        let mut t = tar::Builder::new(Vec::new());
+        raw_member(&mut t, "evil", tar::EntryType::Regular, None, 0o644, b"x");
+        std::fs::write(&evil, t.into_inner().unwrap()).unwrap();
+        let digest = layers[0]["digest"]
+            .as_str()
+            .unwrap()
+            .trim_start_matches("sha256:");
+        let blob_path = layout.join("blobs/sha256").join(digest);
+        std::fs::remove_file(&blob_path).unwrap();
+        std::os::unix::fs::symlink(&evil, &blob_path).unwrap();
+        let name = format!("hostile-oci-link-{}", &nonce[..12]);
+        let (op, log) = build(
+            &s,
+            json!({"name": name, "base": format!("oci:{}", layout.display())}),
+        )
+        .await;
+        assert_eq!(op["status"], "failed", "{op}\n{log}");
+        remove_layers_of(&name);
+        eprintln!("hostile: oci_import passed");
+
+        // dir: links stay links; fifos, devices and sockets are dropped; setuid is unreachable.
+        let src = import.path().join("root");
+        std::fs::create_dir_all(src.join("bin")).unwrap();
+        std::fs::copy("/bin/busybox", src.join("bin/busybox")).unwrap();
+        std::fs::set_permissions(
+            src.join("bin/busybox"),
+            std::os::unix::fs::PermissionsExt::from_mode(0o6755),
+        )
+        .unwrap();
+        std::os::unix::fs::symlink(&d, src.join("host-dir")).unwrap();
+        std::os::unix::fs::symlink(&hf, src.join("host-file")).unwrap();
+        for (what, args) in [("fifo", vec!["p"]), ("dev", vec!["c", "1", "3"])] {
+            let st = std::process::Command::new("mknod")
+                .arg(src.join(what))
+                .args(args)
+                .status()
+                .unwrap();
+            assert!(st.success());
+        }
+        let name = format!("hostile-dir-{}", &nonce[..12]);
+        let (op, log) = build(
+            &s,
+            json!({"name": name, "base": format!("dir:{}", src.display())}),
+        )
+        .await;
+        assert_eq!(op["status"], "succeeded", "{op}\n{log}");
+        untouched("dir import");
+        let root = template_rootfs(&name);
+        no_special_files(&root);
+        assert!(!nobody_can_reach(&root.join("bin/busybox")));
+        assert_eq!(
+            std::fs::read_link(root.join("host-file")).unwrap(),
+            host_file
+        );
+        names.push(name);
+        eprintln!("hostile: dir_import passed");
+
+        for name in names.iter().rev() {
+            delete(&s, name).await;
+        }
+        assert_no_build_left(&s, &partial, &[]);
+        let _ = std::fs::remove_file(&host_file);
+        let (st, _) = s.get("/healthz").await;
+        assert_eq!(st, 200);
+        eprintln!("hostile: recipe_trees passed");
+    }
+
+    /// Writes `file` as a blob of the OCI layout and returns its descriptor.
+    fn oci_blob(layout: &std::path::Path, media: &str, file: &std::path::Path) -> Value {
+        let out = std::process::Command::new("sha256sum")
+            .arg(file)
+            .output()
+            .unwrap();
+        let digest = String::from_utf8_lossy(&out.stdout)
+            .split_whitespace()
+            .next()
+            .unwrap()
+            .to_string();
+        let dir = layout.join("blobs/sha256");
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::copy(file, dir.join(&digest)).unwrap();
+        json!({"mediaType": media, "digest": format!("sha256:{digest}"),
+               "size": std::fs::metadata(file).unwrap().len()})
+    }
+
+    /// sha256 of a host file, or "" when it does not exist.
+    fn digest(path: &str) -> String {
+        let out = std::process::Command::new("sha256sum")
+            .arg(path)
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout)
+            .split_whitespace()
+            .next()
+            .unwrap_or_default()
+            .to_string()
+    }
+
+    /// Host processes whose command line mentions one of `needles`, as long as `stop` is
+    /// false.
+    fn watch_processes(
+        needles: &'static [&'static str],
+        stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    ) -> std::thread::JoinHandle<BTreeSet<String>> {
+        std::thread::spawn(move || {
+            let mut seen = BTreeSet::new();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                // The host's apt resolving and downloading names the package; nothing that
+                // installs it (dpkg, a maintainer script, adduser) may.
+                let found = needles.iter().flat_map(|n| common::processes_mentioning(n));
+                for (_, cmdline) in found {
+                    let downloads = cmdline.contains("apt-get")
+                        && (cmdline.contains("--download-only")
+                            || cmdline.contains("--print-uris"));
+                    if !downloads {
+                        seen.insert(cmdline);
+                    }
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            seen
+        })
+    }
+
+    /// `debian:bookworm` with a package whose maintainer script adds a system user
+    /// (uuid-runtime's postinst runs adduser for `uuidd`): the build succeeds, the package
+    /// works in a sandbox of the template and its user is there, and nothing of the package
+    /// ran on the host — no process of the host ever mentions it during the build, and the
+    /// host's account files and package database are unchanged.
+    #[tokio::test]
+    async fn debian_packages_install_inside_gvisor() {
+        let s = TestServer::start().await;
+        if !s.runtime_available("gvisor").await {
+            return;
+        }
+        let nonce = random_hex();
+        let partial = partial_layers();
+        // The base (the built-in debian, made by mmdebstrap from the mirror alone) first.
+        let base = format!("hostile-deb-base-{}", &nonce[..12]);
+        let (op, log) = build(&s, json!({"name": base, "base": "debian:bookworm"})).await;
+        assert_eq!(op["status"], "succeeded", "{op}\n{log}");
+        // The packages layer is keyed by the base and the package list only: make sure this
+        // build installs them instead of finding an earlier run's layer.
+        let layers = common::templates_dir().join(".layers");
+        for e in std::fs::read_dir(&layers).into_iter().flatten().flatten() {
+            let meta: Value = std::fs::read(e.path().join("layer.json"))
+                .ok()
+                .and_then(|m| serde_json::from_slice(&m).ok())
+                .unwrap_or_default();
+            if meta["what"]
+                .as_str()
+                .is_some_and(|w| w.contains("uuid-runtime"))
+            {
+                std::fs::remove_dir_all(e.path()).unwrap();
+            }
+        }
+        let host = [
+            "/etc/passwd",
+            "/etc/group",
+            "/etc/shadow",
+            "/var/lib/dpkg/status",
+        ];
+        let before: Vec<String> = host.iter().map(|p| digest(p)).collect();
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let watcher = watch_processes(&["uuid-runtime", "uuidd"], stop.clone());
+        let name = format!("hostile-deb-{}", &nonce[..12]);
+        let (op, log) = build(
+            &s,
+            json!({"name": name, "base": "debian:bookworm", "packages": ["uuid-runtime"],
+                   "steps": [{"run": format!("echo {nonce}")}]}),
+        )
+        .await;
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let seen = watcher.join().unwrap();
+        assert!(
+            seen.is_empty(),
+            "package processes ran on the host: {seen:?}"
+        );
+        assert_eq!(op["status"], "succeeded", "{op}\n{log}");
+        assert!(
+            log.contains("packages uuid-runtime")
+                && !log.contains("packages uuid-runtime [cached]"),
+            "the packages were installed by this build: {log}"
+        );
+        let after: Vec<String> = host.iter().map(|p| digest(p)).collect();
+        assert_eq!(
+            before, after,
+            "the host's account files or package database changed"
+        );
+        let sb = s
+            .create_with(json!({"template": name, "runtime": "gvisor"}))
+            .await;
+        let out = s
+            .sh(&sb, "uuidgen | wc -c; grep -c '^uuidd:' /etc/passwd; dpkg-query -W -f '${Status}' uuid-runtime")
+            .await;
+        assert_eq!(out["result"]["exit_code"], 0, "{out}");
+        assert_eq!(
+            out["stdout"], "37\n1\ninstall ok installed",
+            "the package works and its postinst ran in the template: {out}"
+        );
+        s.destroy(&sb).await;
+        delete(&s, &name).await;
+        delete(&s, &base).await;
+        assert_no_build_left(&s, &partial, &containers(&log));
+        eprintln!("hostile: debian_packages_inside_gvisor passed");
+    }
+
+    /// The data dir is 0700 and the database with its WAL and SHM files 0600 — also when they
+    /// were not at start —, the template store and its layer cache 0700, build logs 0600.
+    #[tokio::test]
+    async fn data_dir_and_database_are_private() {
+        use std::os::unix::fs::PermissionsExt;
+        let mut s = TestServer::start().await;
+        let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().mode() & 0o7777;
+        let data = s.data_dir().to_owned();
+        std::fs::set_permissions(&data, std::fs::Permissions::from_mode(0o755)).unwrap();
+        for f in ["space.db", "space.db-wal", "space.db-shm"] {
+            let _ = std::fs::set_permissions(data.join(f), std::fs::Permissions::from_mode(0o644));
+        }
+        s.kill_and_restart();
+        let (st, _) = s.get("/v1/sandboxes").await;
+        assert_eq!(st, 200);
+        assert_eq!(mode(&data), 0o700, "DATA_DIR");
+        for f in ["space.db", "space.db-wal", "space.db-shm"] {
+            assert_eq!(mode(&data.join(f)), 0o600, "{f}");
+        }
+        for dir in [
+            common::templates_dir(),
+            common::templates_dir().join(".layers"),
+        ] {
+            assert_eq!(mode(&dir), 0o700, "{}", dir.display());
+        }
+        let name = format!("hostile-modes-{}", &random_hex()[..12]);
+        let (op, _) = build(
+            &s,
+            json!({"name": name, "base": "busybox", "files": [{"path": "/x", "content": "x"}]}),
+        )
+        .await;
+        assert_eq!(op["status"], "succeeded", "{op}");
+        let log = data
+            .join("builds")
+            .join(format!("{}.log", op["id"].as_str().unwrap()));
+        assert_eq!(mode(&log), 0o600, "build log");
+        delete(&s, &name).await;
+        eprintln!("hostile: data_dir_private passed");
+    }
+}
+
 macro_rules! hostile {
     ($($case:ident),* $(,)?) => {
         mod gvisor {
@@ -1664,4 +2766,10 @@ macro_rules! hostile {
     };
 }
 
-hostile!(resource_abuse, pids_bombs, host_probes, api_abuse);
+hostile!(
+    resource_abuse,
+    pids_bombs,
+    host_probes,
+    api_abuse,
+    snapshot_traps,
+);

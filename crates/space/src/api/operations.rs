@@ -86,68 +86,21 @@ pub async fn log(
     Path(id): Path<String>,
     RawQuery(q): RawQuery,
 ) -> Response {
-    use axum::http::{header, StatusCode};
+    use axum::http::header;
     let q: LogQuery = match parse_query(q.as_deref()) {
         Ok(q) => q,
         Err(r) => return r.into_response(),
     };
-    let scope = st.service.for_tenant(&tenant);
-    let path = match scope.build_log(&id) {
-        Ok(p) => p,
-        Err(e) => return super::HttpError(e).into_response(),
-    };
-    let text = [(header::CONTENT_TYPE, "text/plain; charset=utf-8")];
-    if q.follow != Some(true) {
-        return match tokio::fs::read(&path).await {
-            Ok(bytes) => (text, bytes).into_response(),
-            Err(e) => super::error(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "internal",
-                format!("reading the log: {e}"),
-            ),
-        };
+    match st
+        .service
+        .for_tenant(&tenant)
+        .build_log(&id, q.follow == Some(true))
+    {
+        Ok(stream) => (
+            [(header::CONTENT_TYPE, "text/plain; charset=utf-8")],
+            axum::body::Body::from_stream(stream),
+        )
+            .into_response(),
+        Err(e) => super::HttpError(e).into_response(),
     }
-    let hold = match scope.admit_stream() {
-        Ok(p) => p,
-        Err(e) => return super::HttpError(e).into_response(),
-    };
-    let svc = st.service.clone();
-    // (file, offset, finished): read what is there; once the operation has ended, read the
-    // rest and stop.
-    let stream = futures::stream::unfold((None::<tokio::fs::File>, false), move |(file, done)| {
-        let svc = svc.clone();
-        let path = path.clone();
-        let id = id.clone();
-        let tenant = tenant.clone();
-        let _hold = &hold;
-        async move {
-            use tokio::io::AsyncReadExt;
-            if done {
-                return None;
-            }
-            let mut file = match file {
-                Some(f) => f,
-                None => tokio::fs::File::open(&path).await.ok()?,
-            };
-            let mut events = svc.subscribe_events();
-            loop {
-                let ended = svc.for_tenant(&tenant).operation_ended(&id).unwrap_or(true);
-                let mut buf = vec![0u8; 64 * 1024];
-                let n = file.read(&mut buf).await.ok()?;
-                if n > 0 {
-                    buf.truncate(n);
-                    return Some((
-                        Ok::<_, std::io::Error>(bytes::Bytes::from(buf)),
-                        (Some(file), false),
-                    ));
-                }
-                if ended {
-                    return None;
-                }
-                // Output has no event of its own: wake on any event, or poll.
-                let _ = tokio::time::timeout(Duration::from_millis(250), events.changed()).await;
-            }
-        }
-    });
-    (text, axum::body::Body::from_stream(stream)).into_response()
 }

@@ -72,6 +72,9 @@ pub struct Config {
     pub sandbox_output_budget_bytes: u64,
     /// Host directories that `dir:`/`tar:`/`oci:` template bases may read from (none: refused).
     pub template_import_dirs: Vec<PathBuf>,
+    /// What each template build step may use (the build's disk quota also bounds imports
+    /// and package downloads).
+    pub build_limits: space_runtime::build::BuildLimits,
     /// runsc and its platform, for template build steps.
     pub runsc: PathBuf,
     pub platform: String,
@@ -217,7 +220,8 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 impl Service {
     /// Opens the store and reconciles it with what really runs.
     pub async fn start(cfg: Config, runtimes: runtimes::Runtimes) -> anyhow::Result<Service> {
-        std::fs::create_dir_all(&cfg.data_dir)?;
+        // Secrets, agent tokens and tenants' files live here: no other host user may enter.
+        space_runtime::tree::private_dir(&cfg.data_dir)?;
         std::fs::create_dir_all(cfg.data_dir.join("sandboxes"))?;
         std::fs::create_dir_all(cfg.data_dir.join("outputs"))?;
         std::fs::create_dir_all(cfg.data_dir.join("snapshots"))?;
@@ -242,6 +246,11 @@ impl Service {
         }));
         svc.reconcile().await?;
         svc.remove_stale_build_containers().await;
+        let templates = svc.0.templates.clone();
+        tokio::task::spawn_blocking(move || {
+            space_runtime::build::sweep_abandoned_layers(&templates)
+        })
+        .await?;
         svc.spawn_reaper();
         svc.spawn_revocation_watch();
         svc.spawn_cost_sampler();

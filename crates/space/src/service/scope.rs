@@ -321,21 +321,23 @@ impl<'a> TenantService<'a> {
         self.svc.cancel_operation(id)
     }
 
-    /// Where a build operation's log is, and whether the operation has ended.
-    pub fn build_log(&self, id: &str) -> Result<std::path::PathBuf> {
+    /// A build operation's log as a byte stream; a followed one counts as an open stream.
+    pub fn build_log(
+        &self,
+        id: &str,
+        follow: bool,
+    ) -> Result<impl futures::Stream<Item = std::io::Result<Bytes>> + Send + 'static> {
         self.operation(id)?;
-        let path = self.svc.build_log_path(id);
-        if !path.exists() {
-            return Err(ServiceError::NotFound(format!(
-                "operation {id} has no log (only template builds have one)"
-            )));
-        }
-        Ok(path)
-    }
-
-    /// Whether operation `id` (the caller's) has ended.
-    pub fn operation_ended(&self, id: &str) -> Result<bool> {
-        Ok(self.operation(id)?.status.is_terminal())
+        let hold = match follow {
+            true => Some(self.svc.admit_stream(self.tenant)?),
+            false => None,
+        };
+        let stream = self.svc.build_log_stream(id, follow)?;
+        // The slot is held for as long as the stream is.
+        Ok(futures::StreamExt::map(stream, move |chunk| {
+            let _held = &hold;
+            chunk
+        }))
     }
 
     // ---- templates ----

@@ -7,6 +7,11 @@
 //! fresh layer of the template store, which then publishes it as a version. The
 //! copy is taken live: the sandbox keeps running, so files that change during the
 //! copy are caught at some point of their change.
+//!
+//! What the host writes is bounded by what the sandbox could hold: its template's
+//! files plus its disk quota, sparse files counted at their full size (a sandbox
+//! with a 64 MiB disk can hold a 100 GiB sparse file, and the copy carries its
+//! zeros). Past that the snapshot fails and nothing is kept.
 
 use http::{Method, Request};
 use http_body_util::{BodyExt, Full};
@@ -157,13 +162,28 @@ impl Service {
             start: None,
             base: Some(format!("sandbox:{sandbox_id}")),
         };
+        let lower = {
+            let rootfs = std::path::PathBuf::from(&rec.rootfs);
+            tokio::task::spawn_blocking(move || space_runtime::tree::apparent_size(&rootfs))
+                .await
+                .map_err(|e| ApiError::new("internal", e.to_string()))?
+                .map_err(|e| ApiError::new("internal", format!("measuring the template: {e}")))?
+        };
+        let quota = r.disk_mib.unwrap_or(0).saturating_mul(1 << 20);
+        let max_bytes = lower.saturating_add(quota).min(MAX_SNAPSHOT_BYTES);
+        let too_large = format!(
+            "the sandbox's files add up to more than {} MiB, what it can hold: its template ({} MiB) plus its disk quota ({} MiB); sparse files count at their full size",
+            max_bytes >> 20,
+            lower >> 20,
+            quota >> 20
+        );
         let fill = move |rootfs: &std::path::Path| {
             let root = space_agent::fs::Root::open(rootfs).map_err(|e| TemplateError::Build {
                 name: "snapshot".into(),
                 message: e.message(),
             })?;
             let limits = space_agent::fs::Limits {
-                max_bytes: MAX_SNAPSHOT_BYTES,
+                max_bytes,
                 max_entries: MAX_SNAPSHOT_ENTRIES,
                 ..Default::default()
             };
@@ -171,7 +191,10 @@ impl Service {
                 .map(|_| ())
                 .map_err(|e| TemplateError::Build {
                     name: "snapshot".into(),
-                    message: format!("unpacking the sandbox's files: {}", e.message()),
+                    message: match e {
+                        space_agent::fs::FsError::TooLarge(_) => too_large,
+                        e => format!("unpacking the sandbox's files: {}", e.message()),
+                    },
                 })
         };
         let published = self.0.templates.publish_rootfs(&key, fill, meta).await;

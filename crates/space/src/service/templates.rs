@@ -29,6 +29,75 @@ impl Service {
             .join(format!("{op_id}.log"))
     }
 
+    /// `GET /v1/operations/{id}/log`: the build log of `op_id` as a stream of bytes, read
+    /// a chunk at a time (never whole into memory), from where its kept part starts (a
+    /// capped log says how much of its head was dropped); with `follow`, until the build has
+    /// ended.
+    pub(super) fn build_log_stream(
+        &self,
+        op_id: &str,
+        follow: bool,
+    ) -> Result<impl futures::Stream<Item = std::io::Result<bytes::Bytes>> + Send + 'static> {
+        self.operation(op_id)?;
+        let path = self.build_log_path(op_id);
+        let file = match std::fs::File::open(&path) {
+            Ok(f) => std::sync::Arc::new(f),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Err(ServiceError::NotFound(format!(
+                    "operation {op_id} has no log (only template builds have one)"
+                )))
+            }
+            Err(e) => return Err(ServiceError::Internal(format!("opening the log: {e}"))),
+        };
+        let svc = self.clone();
+        let id = op_id.to_owned();
+        let cap_mib = self.0.cfg.output_cap_bytes >> 20;
+        Ok(futures::stream::unfold(
+            (0u64, false),
+            move |(pos, done)| {
+                let (svc, id, file) = (svc.clone(), id.clone(), file.clone());
+                async move {
+                    if done {
+                        return None;
+                    }
+                    let mut events = svc.subscribe_events();
+                    loop {
+                        // Looked at before reading, so what was written before the end is read.
+                        let ended = !follow
+                            || svc
+                                .operation(&id)
+                                .map(|op| op.status.is_terminal())
+                                .unwrap_or(true);
+                        let f = file.clone();
+                        let read = tokio::task::spawn_blocking(move || read_log_chunk(&f, pos))
+                            .await
+                            .map_err(std::io::Error::other)
+                            .and_then(|r| r);
+                        match read {
+                            Err(e) => return Some((Err(e), (pos, true))),
+                            Ok(LogChunk::Dropped(start)) => {
+                                let note = format!(
+                                    "[space: {} bytes at the head of this log were dropped; it keeps its last {cap_mib} MiB]\n",
+                                    start - pos
+                                );
+                                return Some((Ok(bytes::Bytes::from(note)), (start, false)));
+                            }
+                            Ok(LogChunk::Data(data)) => {
+                                let next = pos + data.len() as u64;
+                                return Some((Ok(bytes::Bytes::from(data)), (next, false)));
+                            }
+                            Ok(LogChunk::End) if ended => return None,
+                            Ok(LogChunk::End) => {}
+                        }
+                        // Output has no event of its own: wake on any event, or poll.
+                        let _ = tokio::time::timeout(Duration::from_millis(250), events.changed())
+                            .await;
+                    }
+                }
+            },
+        ))
+    }
+
     /// `POST /v1/templates`: checks the recipe and starts a `build` operation.
     pub(super) fn build_template(&self, tenant: &str, recipe: Recipe) -> Result<Operation> {
         let recipe =
@@ -49,7 +118,7 @@ impl Service {
         }
         let mut op = new_operation(OperationKind::Build, None, tenant);
         op.template = Some(recipe.name().to_owned());
-        let log = BuildLog::create(&self.build_log_path(&op.id))
+        let log = BuildLog::create(&self.build_log_path(&op.id), self.0.cfg.output_cap_bytes)
             .map_err(|e| ServiceError::Internal(format!("creating the build log: {e}")))?;
         self.0.store.insert_operation(&op)?;
         tracing::info!(operation = %op.id, template = %recipe.name(), base = %recipe.recipe.base, "template build requested");
@@ -73,7 +142,7 @@ impl Service {
             runsc: self.0.cfg.runsc.clone(),
             runsc_root: self.0.cfg.data_dir.join("build-runsc"),
             platform: self.0.cfg.platform.clone(),
-            step_timeout: build::DEFAULT_STEP_TIMEOUT,
+            limits: self.0.cfg.build_limits,
         };
         let progress = |line: String| {
             let _ = self.update_op(&op_id, |op| op.progress = Some(line.clone()));
@@ -134,6 +203,7 @@ impl Service {
                 "removing a build container left by an earlier run"
             );
             let _ = runsc(&["delete", "--force", id]).output().await;
+            build::remove_build_cgroups(id);
         }
     }
 
@@ -279,4 +349,29 @@ impl Service {
             super::truncate(last.trim(), 1000),
         )))
     }
+}
+
+enum LogChunk {
+    /// The head up to this offset was dropped (the log is capped).
+    Dropped(u64),
+    Data(Vec<u8>),
+    /// Nothing more for now.
+    End,
+}
+
+/// The next piece of a build log from `pos`.
+fn read_log_chunk(file: &std::fs::File, pos: u64) -> std::io::Result<LogChunk> {
+    use std::os::unix::fs::FileExt;
+    let start = build::log_data_start(file);
+    let len = file.metadata()?.len();
+    if pos < start.min(len) {
+        return Ok(LogChunk::Dropped(start.min(len)));
+    }
+    let mut buf = vec![0u8; 64 * 1024];
+    let n = file.read_at(&mut buf, pos)?;
+    if n == 0 {
+        return Ok(LogChunk::End);
+    }
+    buf.truncate(n);
+    Ok(LogChunk::Data(buf))
 }

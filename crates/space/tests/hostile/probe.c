@@ -19,6 +19,7 @@
 #include <sys/sysmacros.h>
 #include <sys/ptrace.h>
 #include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/time.h>
@@ -173,6 +174,15 @@ int main(int argc, char **argv) {
         }
         printf("files: ok made %d\n", i);
         return 0;
+    }
+    if (!strcmp(c, "unix_socket")) {
+        /* a Unix socket bound at ARGV[2] (the file stays after exit) */
+        int s = socket(AF_UNIX, SOCK_STREAM, 0);
+        if (s < 0) return report(c, -1);
+        struct sockaddr_un sa; memset(&sa, 0, sizeof sa);
+        sa.sun_family = AF_UNIX;
+        strncpy(sa.sun_path, argv[2], sizeof sa.sun_path - 1);
+        return report(c, bind(s, (struct sockaddr *)&sa, sizeof sa));
     }
     fprintf(stderr, "unknown case %s\n", c);
     return 2;
