@@ -1,4 +1,5 @@
-//! The CLI: subcommands that talk HTTP to a running server (`SPACE_URL`, `SPACE_TOKEN`).
+//! The CLI: subcommands that talk HTTP to a running server (`SPACE_URL`, `SPACE_TOKEN`)
+//! through `space_client::Client`; this module owns only their output and exit codes.
 
 use std::io::Write;
 use std::time::Duration;
@@ -151,17 +152,11 @@ fn print_json(v: &impl serde::Serialize) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `operation op_… failed: code: message` unless the operation succeeded.
 fn op_outcome(op: &Operation) -> anyhow::Result<()> {
     match op.status {
         OperationStatus::Succeeded => Ok(()),
-        _ => {
-            let msg = op
-                .error
-                .as_ref()
-                .map(|e| format!("{}: {}", space_client::error_code(e), e.message))
-                .unwrap_or_else(|| "no error given".into());
-            bail!("operation {} {}: {}", op.id, op.status, msg)
-        }
+        _ => Err(ClientError::OperationFailed(Box::new(op.clone())).into()),
     }
 }
 
