@@ -453,3 +453,203 @@ pub struct Template {
 pub struct TemplateList {
     pub templates: Vec<Template>,
 }
+
+// ---------------------------------------------------------------------------
+// Bodies the server parses with its own structs today, and what the sandbox's
+// agent answers for file requests (the server relays it as it comes). Here so
+// that a client can speak them typed; field names as on the wire.
+// ---------------------------------------------------------------------------
+
+/// `POST /v1/sandboxes/{id}/snapshot-template`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SnapshotTemplateRequest {
+    /// The template whose next version the sandbox's files become.
+    pub name: String,
+}
+
+/// A signal as a request names it: a number (1-64) or a name (`TERM`, `SIGKILL`, …).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, JsonSchema)]
+#[serde(untagged)]
+pub enum Signal {
+    Number(i32),
+    Name(String),
+}
+
+impl From<i32> for Signal {
+    fn from(n: i32) -> Self {
+        Signal::Number(n)
+    }
+}
+
+impl From<&str> for Signal {
+    fn from(name: &str) -> Self {
+        Signal::Name(name.to_string())
+    }
+}
+
+/// `POST /v1/sandboxes/{id}/commands/{cid}/signal`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SignalRequest {
+    pub signal: Signal,
+}
+
+/// `POST /v1/sandboxes/{id}/files/mkdir` (like `mkdir -p`).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct MkdirRequest {
+    pub path: String,
+    /// Permission bits (default `0o755`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uid: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gid: Option<u32>,
+}
+
+/// `POST /v1/sandboxes/{id}/files/move`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct MoveRequest {
+    pub from: String,
+    pub to: String,
+    /// Replace `to` if it exists (default: 409 instead).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub overwrite: Option<bool>,
+}
+
+/// Kind of a file inside a sandbox.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum FileType {
+    File,
+    Dir,
+    Symlink,
+    /// Devices, fifos, sockets, and any kind a newer server names.
+    #[serde(other)]
+    Other,
+}
+
+impl FileType {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FileType::File => "file",
+            FileType::Dir => "dir",
+            FileType::Symlink => "symlink",
+            FileType::Other => "other",
+        }
+    }
+}
+
+impl std::fmt::Display for FileType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.pad(self.as_str())
+    }
+}
+
+/// One file inside a sandbox: `GET …/files/stat`, an upload, `mkdir`, `move`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, JsonSchema)]
+pub struct FileInfo {
+    /// Absolute path inside the sandbox (lossy UTF-8 when a name is not UTF-8).
+    pub path: String,
+    /// Last component; `/` for the root.
+    pub name: String,
+    #[serde(rename = "type")]
+    pub kind: FileType,
+    pub size: u64,
+    /// Permission bits, setuid/setgid/sticky included.
+    pub mode: u32,
+    pub uid: u32,
+    pub gid: u32,
+    /// Modification time, Unix seconds.
+    #[serde(default)]
+    pub mtime: i64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub link_target: Option<String>,
+    /// The raw name, base64, when it is not valid UTF-8.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name_base64: Option<String>,
+    /// The raw link target, base64, when it is not valid UTF-8.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub link_target_base64: Option<String>,
+}
+
+/// `GET …/files/list`: the entries below a path.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, JsonSchema)]
+pub struct FileListing {
+    pub path: String,
+    pub entries: Vec<FileInfo>,
+    /// The listing stopped at the agent's entry limit.
+    #[serde(default)]
+    pub truncated: bool,
+}
+
+/// What a tar upload (`PUT …/files?format=tar`) wrote.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, JsonSchema)]
+pub struct UnpackStats {
+    pub entries: u64,
+    pub bytes: u64,
+}
+
+/// `DELETE …/files`: how many entries went.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, JsonSchema)]
+pub struct Removed {
+    pub removed: u64,
+}
+
+/// One runtime of the server (`GET /v1/runtimes`).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, JsonSchema)]
+pub struct RuntimeInfo {
+    /// `gvisor` or `microvm`.
+    pub name: String,
+    pub available: bool,
+    /// Whether sandboxes that name no runtime get this one.
+    pub default: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub accelerator: Option<String>,
+    /// Why it is unavailable.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, JsonSchema)]
+pub struct RuntimeList {
+    pub runtimes: Vec<RuntimeInfo>,
+}
+
+/// `GET /healthz`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, JsonSchema)]
+pub struct Health {
+    pub status: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn file_types_newer_servers_name_are_other() {
+        let t: FileType = serde_json::from_str("\"dir\"").unwrap();
+        assert_eq!(t, FileType::Dir);
+        let t: FileType = serde_json::from_str("\"whiteout\"").unwrap();
+        assert_eq!(t, FileType::Other);
+        assert_eq!(
+            serde_json::to_string(&FileType::Symlink).unwrap(),
+            "\"symlink\""
+        );
+    }
+
+    #[test]
+    fn signals_are_numbers_or_names() {
+        let r = SignalRequest { signal: 9.into() };
+        assert_eq!(serde_json::to_string(&r).unwrap(), r#"{"signal":9}"#);
+        let r = SignalRequest {
+            signal: "TERM".into(),
+        };
+        assert_eq!(serde_json::to_string(&r).unwrap(), r#"{"signal":"TERM"}"#);
+        let back: SignalRequest = serde_json::from_str(r#"{"signal":"KILL"}"#).unwrap();
+        assert_eq!(back.signal, Signal::Name("KILL".into()));
+    }
+}

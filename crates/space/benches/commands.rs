@@ -2,8 +2,8 @@
 //!
 //! 1. stdout throughput of a 256 MiB stream: `POST .../commands` of
 //!    `head -c 268435456 /dev/zero` and its whole output read through
-//!    `GET {output_url}?follow=true&stream=stdout` (NDJSON, base64 decoded,
-//!    bytes counted and checked), timed from the POST to the result line,
+//!    `GET …/output?follow=true&stream=stdout` (NDJSON, base64 decoded by
+//!    `space-client`, bytes counted and checked), timed from the POST to the result line,
 //!    against `runsc exec <container> /bin/head -c 268435456 /dev/zero` with its
 //!    stdout counted through a pipe. Extras: the same output read again without
 //!    `follow` once the command has ended, and (raw only) `head` writing to
@@ -28,13 +28,14 @@ mod rawsc;
 
 use std::time::{Duration, Instant};
 
-use base64::Engine;
 use common::TestServer;
+use futures::StreamExt;
 use rawsc::{
     bench_start, check_ours, check_raw, max, median, ms, one_side, p50_p95_rows, percentile, row,
     table_head, Raw,
 };
-use serde_json::{json, Value};
+use space_api::{Command, CommandState, CreateCommandRequest, ProcessResult};
+use space_client::{Client, OutputItem, OutputQuery, OutputView, StdStream};
 
 /// Bytes of the throughput stream.
 const STREAM_BYTES: u64 = 256 << 20;
@@ -54,14 +55,15 @@ const STREAM_LIMIT: Duration = Duration::from_secs(300);
 fn main() {
     let (rt, facts) = bench_start();
     let server = rt.block_on(TestServer::start_with(&["--output-cap-mib", "0"]));
+    let c = rawsc::client_of(&server);
 
     // Our sandbox; its OCI bundle is the one the raw side runs.
-    let ours = rt.block_on(server.create("busybox"));
+    let ours = rt.block_on(rawsc::create_busybox(&c));
     let our_bundle = rawsc::our_bundle(&server, &ours);
     let raw = rawsc::raw_of(&server, &our_bundle);
     let rid = raw.start_new("main");
 
-    rt.block_on(check_ours(&server, &ours));
+    rt.block_on(check_ours(&c, &ours));
     check_raw(&raw, &rid);
 
     // 1. stdout throughput, interleaved so that background load hits both sides alike.
@@ -70,7 +72,7 @@ fn main() {
         STREAM_BYTES >> 20,
         WARMUP_STREAM_BYTES >> 20
     );
-    let o_warm = rt.block_on(stream_ours(&server, &ours, WARMUP_STREAM_BYTES));
+    let o_warm = rt.block_on(stream_ours(&c, &ours, WARMUP_STREAM_BYTES));
     let r_warm = stream_raw(&raw, &rid, WARMUP_STREAM_BYTES);
     eprintln!(
         "bench: warm-up stream: ours {:.1} ms, raw {:.1} ms",
@@ -81,7 +83,7 @@ fn main() {
     let mut o_plain = Vec::new();
     let mut r_stream = Vec::new();
     for i in 0..STREAM_RUNS {
-        let o = rt.block_on(stream_ours(&server, &ours, STREAM_BYTES));
+        let o = rt.block_on(stream_ours(&c, &ours, STREAM_BYTES));
         let r = stream_raw(&raw, &rid, STREAM_BYTES);
         eprintln!(
             "bench: stream {i}: ours {:.0} MiB/s (plain re-read {:.0} MiB/s), raw {:.0} MiB/s",
@@ -95,13 +97,14 @@ fn main() {
     }
     let floor_cmd = format!("/bin/head -c {STREAM_BYTES} /dev/zero > /dev/null");
     let (r_floor, _) = raw.exec(&rid, &["/bin/sh", "-c", &floor_cmd]);
-    rt.block_on(check_ours(&server, &ours));
+    rt.block_on(check_ours(&c, &ours));
     check_raw(&raw, &rid);
 
     // 2. exec latency of `true` at each concurrency.
     eprintln!("bench: exec true, {CALLS} calls at each of {CLIENTS:?} clients (each side)");
+    let warm = latency_client(&server);
     for _ in 0..EXEC_WARMUPS {
-        rt.block_on(timed_true(&server.http, &server.url, &ours));
+        rt.block_on(timed_true(&warm, &ours));
         raw.exec(&rid, &["/bin/true"]);
     }
     let mut levels = Vec::new();
@@ -130,11 +133,11 @@ fn main() {
             raw_wall: r_wall,
         });
     }
-    rt.block_on(check_ours(&server, &ours));
+    rt.block_on(check_ours(&c, &ours));
     check_raw(&raw, &rid);
 
     // Clean up, then check that nothing of ours or the raw side is left running.
-    let left = rawsc::teardown(&rt, server, &ours, raw, &rid);
+    let left = rawsc::teardown(&rt, server, &c, &ours, raw, &rid);
     rawsc::assert_nothing_left(&left, &rid);
 
     // The table.
@@ -237,93 +240,84 @@ struct OurStream {
 
 /// `head -c bytes /dev/zero` through our API, its stdout followed to the end
 /// and then read again without `follow`.
-async fn stream_ours(s: &TestServer, sb: &str, bytes: u64) -> OurStream {
+async fn stream_ours(c: &Client, sb: &str, bytes: u64) -> OurStream {
+    let req = CreateCommandRequest {
+        argv: Some(vec![
+            "head".into(),
+            "-c".into(),
+            bytes.to_string(),
+            "/dev/zero".into(),
+        ]),
+        ..Default::default()
+    };
     let t0 = Instant::now();
-    let (status, cmd) = s
-        .post(
-            &format!("/v1/sandboxes/{sb}/commands"),
-            json!({ "argv": ["head", "-c", bytes.to_string(), "/dev/zero"] }),
-        )
-        .await;
-    assert_eq!(status, 201, "{cmd}");
-    let url = cmd["output_url"]
-        .as_str()
-        .unwrap_or_else(|| panic!("no output_url: {cmd}"))
-        .to_string();
-    let (count, end) = read_output(s, &format!("{url}?follow=true&stream=stdout")).await;
+    let cmd = c.create_command(sb, &req).await.expect("POST commands");
+    let (count, end) = read_output(c, &cmd, true).await;
     let follow = t0.elapsed();
     check_stream(&cmd, count, &end, bytes);
 
     let t0 = Instant::now();
-    let (count, end) = read_output(s, &format!("{url}?stream=stdout")).await;
+    let (count, end) = read_output(c, &cmd, false).await;
     let plain = t0.elapsed();
     check_stream(&cmd, count, &end, bytes);
     OurStream { follow, plain }
 }
 
-/// A whole stream counted `bytes` bytes and ended with a clean result.
-fn check_stream(cmd: &Value, count: u64, end: &Value, bytes: u64) {
-    assert_eq!(count, bytes, "stream of {}: {end}", cmd["id"]);
-    assert_eq!(end["state"], "exited", "{end}");
-    assert_eq!(end["result"]["exit_code"], 0, "{end}");
-    assert_eq!(end["result"]["stdout_bytes"], bytes, "{end}");
-    assert_eq!(end["result"]["output_truncated"], false, "{end}");
+/// How a stream of ours ended: its state and result.
+#[derive(Debug)]
+struct End {
+    state: CommandState,
+    result: Option<ProcessResult>,
 }
 
-/// Reads one NDJSON output stream to its end: every chunk is stdout, starts
-/// where the last one ended and decodes to zeros. The decoded byte count and
-/// the end line.
-async fn read_output(s: &TestServer, path: &str) -> (u64, Value) {
+/// A whole stream counted `bytes` bytes and ended with a clean result.
+fn check_stream(cmd: &Command, count: u64, end: &End, bytes: u64) {
+    assert_eq!(count, bytes, "stream of {}: {end:?}", cmd.id);
+    assert_eq!(end.state, CommandState::Exited, "{end:?}");
+    let r = end.result.as_ref().expect("an exited command has a result");
+    assert_eq!(r.exit_code, Some(0), "{end:?}");
+    assert_eq!(r.stdout_bytes, bytes, "{end:?}");
+    assert!(!r.output_truncated, "{end:?}");
+}
+
+/// Reads one command's stdout to its end: every chunk is stdout, starts where
+/// the last one ended and is zeros. The byte count and the end.
+async fn read_output(c: &Client, cmd: &Command, follow: bool) -> (u64, End) {
+    let what = format!("output of {} (follow {follow})", cmd.id);
     let read = async {
-        let mut resp = s
-            .req(reqwest::Method::GET, path)
-            .send()
+        let q = OutputQuery {
+            offset: 0,
+            follow,
+            view: OutputView::Stdout,
+        };
+        let mut output = c
+            .command_output(&cmd.sandbox_id, &cmd.id, &q)
             .await
             .expect("output request");
-        assert_eq!(resp.status(), 200, "GET {path}");
-        let mut buf: Vec<u8> = Vec::new();
-        let mut decoded: Vec<u8> = Vec::new();
         let mut count = 0u64;
-        let mut end: Option<Value> = None;
-        while let Some(chunk) = resp.chunk().await.expect("output chunk") {
-            buf.extend_from_slice(&chunk);
-            let mut start = 0;
-            while let Some(pos) = buf[start..].iter().position(|b| *b == b'\n') {
-                let line = &buf[start..start + pos];
-                start += pos + 1;
-                assert!(end.is_none(), "a line after the end of {path}");
-                let v: Value = serde_json::from_slice(line).unwrap_or_else(|e| {
-                    panic!("{path}: not JSON ({e}): {}", String::from_utf8_lossy(line))
-                });
-                let Some(data) = v.get("data") else {
-                    end = Some(v);
-                    continue;
-                };
-                assert_eq!(v["stream"], "stdout", "{path}: chunk of another stream");
-                assert_eq!(v["offset"], count, "{path}: a gap or overlap in the output");
-                decoded.clear();
-                base64::engine::general_purpose::STANDARD
-                    .decode_vec(data.as_str().expect("data is a string"), &mut decoded)
-                    .expect("data is base64");
-                assert!(
-                    decoded.iter().all(|b| *b == 0),
-                    "{path}: a non-zero byte near offset {count}"
-                );
-                count += decoded.len() as u64;
+        while let Some(item) = output.next().await {
+            match item.unwrap_or_else(|e| panic!("{what}: {e}")) {
+                OutputItem::Chunk {
+                    stream,
+                    offset,
+                    data,
+                } => {
+                    assert_eq!(stream, StdStream::Stdout, "{what}: chunk of another stream");
+                    assert_eq!(offset, count, "{what}: a gap or overlap in the output");
+                    assert!(
+                        data.iter().all(|b| *b == 0),
+                        "{what}: a non-zero byte near offset {count}"
+                    );
+                    count += data.len() as u64;
+                }
+                OutputItem::End { state, result, .. } => return (count, End { state, result }),
             }
-            buf.drain(..start);
         }
-        assert!(
-            buf.is_empty(),
-            "{path}: unterminated last line: {}",
-            String::from_utf8_lossy(&buf)
-        );
-        let end = end.unwrap_or_else(|| panic!("{path} ended without a result line"));
-        (count, end)
+        panic!("{what} ended without a result line")
     };
     tokio::time::timeout(STREAM_LIMIT, read)
         .await
-        .unwrap_or_else(|_| panic!("reading {path} took over {STREAM_LIMIT:?}"))
+        .unwrap_or_else(|_| panic!("reading {what} took over {STREAM_LIMIT:?}"))
 }
 
 /// `runsc exec /bin/head -c bytes /dev/zero`, stdout counted: timed.
@@ -332,6 +326,15 @@ fn stream_raw(raw: &Raw, id: &str, bytes: u64) -> Duration {
     let (took, count) = raw.exec_count(id, &["/bin/head", "-c", &n, "/dev/zero"]);
     assert_eq!(count, bytes, "raw stream of {id}");
     took
+}
+
+/// A client of its own (its own connection, as separate users would have), with
+/// the deadline the bench gives one call.
+fn latency_client(s: &TestServer) -> Client {
+    Client::builder(&s.url, common::TOKEN)
+        .timeout(Duration::from_secs(120))
+        .build()
+        .expect("a client")
 }
 
 /// `clients` concurrent clients, each making `calls` `true` calls in turn:
@@ -344,13 +347,12 @@ async fn latency_ours(
 ) -> Vec<(Duration, Duration)> {
     let tasks: Vec<_> = (0..clients)
         .map(|_| {
-            // Its own client: its own connection, as separate users would have.
-            let http = reqwest::Client::new();
-            let (url, sb) = (s.url.clone(), sb.to_string());
+            let c = latency_client(s);
+            let sb = sb.to_string();
             tokio::spawn(async move {
                 let mut v = Vec::with_capacity(calls);
                 for _ in 0..calls {
-                    v.push(timed_true(&http, &url, &sb).await);
+                    v.push(timed_true(&c, &sb).await);
                 }
                 v
             })
@@ -365,28 +367,20 @@ async fn latency_ours(
 
 /// One `true` through our API with `wait:true`, timed; with the agent's
 /// `duration_ms` of it.
-async fn timed_true(http: &reqwest::Client, url: &str, sb: &str) -> (Duration, Duration) {
+async fn timed_true(c: &Client, sb: &str) -> (Duration, Duration) {
+    let req = CreateCommandRequest {
+        argv: Some(vec!["true".into()]),
+        wait: Some(true),
+        ..Default::default()
+    };
     let start = Instant::now();
-    let resp = http
-        .post(format!("{url}/v1/sandboxes/{sb}/commands"))
-        .bearer_auth(common::TOKEN)
-        .timeout(Duration::from_secs(120))
-        .json(&json!({ "argv": ["true"], "wait": true }))
-        .send()
-        .await
-        .expect("POST commands");
-    let status = resp.status().as_u16();
-    let body = resp.bytes().await.expect("commands body");
+    let cmd = c.create_command(sb, &req).await;
     let took = start.elapsed();
-    let cmd: Value = serde_json::from_slice(&body)
-        .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&body).into_owned()));
-    assert_eq!(status, 201, "{cmd}");
-    assert_eq!(cmd["state"], "exited", "{cmd}");
-    assert_eq!(cmd["result"]["exit_code"], 0, "{cmd}");
-    let agent = cmd["result"]["duration_ms"]
-        .as_u64()
-        .unwrap_or_else(|| panic!("no result.duration_ms: {cmd}"));
-    (took, Duration::from_millis(agent))
+    let cmd = cmd.unwrap_or_else(|e| panic!("POST commands: {e}"));
+    assert_eq!(cmd.state, CommandState::Exited, "{cmd:?}");
+    let r = cmd.result.as_ref().expect("an exited command has a result");
+    assert_eq!(r.exit_code, Some(0), "{cmd:?}");
+    (took, Duration::from_millis(r.duration_ms))
 }
 
 /// `clients` threads, each running `calls` `runsc exec /bin/true` in turn:

@@ -21,7 +21,8 @@ use std::time::{Duration, Instant};
 
 use common::TestServer;
 use rawsc::{bench_start, one_side, p50_p95_rows, raw_of, row, runsc_processes, table_head};
-use serde_json::json;
+use space_api::{CommandState, CreateCommandRequest, CreateSandboxRequest, OperationStatus};
+use space_client::Client;
 
 /// Timed creates per side.
 const CREATES: usize = 10;
@@ -33,10 +34,11 @@ const EXECS: usize = 200;
 fn main() {
     let (rt, facts) = bench_start();
     let server = rt.block_on(TestServer::start());
+    let c = rawsc::client_of(&server);
 
     // Our long-lived sandbox (also the warm-up of our create path). Its OCI
     // bundle is the one the raw side runs.
-    let ours = rt.block_on(server.create("busybox"));
+    let ours = rt.block_on(rawsc::create_busybox(&c));
     let our_bundle = rawsc::our_bundle(&server, &ours);
     let raw = raw_of(&server, &our_bundle);
 
@@ -48,9 +50,9 @@ fn main() {
     let mut ours_create = Vec::new();
     let mut raw_create = Vec::new();
     for i in 0..CREATES {
-        let (sb, took) = rt.block_on(timed_create(&server));
+        let (sb, took) = rt.block_on(timed_create(&server, &c));
         ours_create.push(took);
-        rt.block_on(server.destroy(&sb));
+        rt.block_on(rawsc::destroy_ours(&c, &server, &sb));
 
         let id = raw.id(&format!("c{i}"));
         raw.prepare(&id);
@@ -61,13 +63,13 @@ fn main() {
     // 2. the `true` round trip.
     eprintln!("bench: exec true x{EXECS} (each side, after {EXEC_WARMUPS} warm-ups)");
     for _ in 0..EXEC_WARMUPS {
-        rt.block_on(timed_true(&server, &ours));
+        rt.block_on(timed_true(&c, &ours));
         raw.exec_true(&raw_main);
     }
     let mut ours_exec = Vec::new();
     let mut raw_exec = Vec::new();
     for _ in 0..EXECS {
-        ours_exec.push(rt.block_on(timed_true(&server, &ours)));
+        ours_exec.push(rt.block_on(timed_true(&c, &ours)));
         raw_exec.push(raw.exec_true(&raw_main));
     }
 
@@ -89,13 +91,19 @@ fn main() {
         raw_mem.runsc
     );
     // The agent (PID 1) as the sandbox's own kernel sees it; read after the host figures.
-    let cmd = rt.block_on(server.run(&ours, &["cat", "/proc/1/status"]));
-    assert_eq!(cmd["result"]["exit_code"], 0, "{cmd}");
-    let ours_agent_kb = vm_rss_kb(cmd["stdout"].as_str().unwrap_or_default());
+    let cmd = rt
+        .block_on(c.run(&ours, &["cat", "/proc/1/status"]))
+        .expect("cat /proc/1/status");
+    assert_eq!(
+        cmd.result.as_ref().and_then(|r| r.exit_code),
+        Some(0),
+        "{cmd:?}"
+    );
+    let ours_agent_kb = vm_rss_kb(cmd.stdout.as_deref().unwrap_or_default());
     let raw_agent_kb = vm_rss_kb(&raw.exec(&raw_main, &["/bin/cat", "/proc/1/status"]).1);
 
     // Clean up, then check that nothing of ours or the raw side is left running.
-    rawsc::teardown(&rt, server, &ours, raw, &raw_main);
+    rawsc::teardown(&rt, server, &c, &ours, raw, &raw_main);
 
     // The table.
     let mib = |kb: u64| kb as f64 / 1024.0;
@@ -158,44 +166,52 @@ fn main() {
 }
 
 /// `POST /v1/sandboxes` and long-poll until the operation succeeded.
-async fn timed_create(s: &TestServer) -> (String, Duration) {
+async fn timed_create(s: &TestServer, c: &Client) -> (String, Duration) {
+    let req = CreateSandboxRequest {
+        template: "busybox".into(),
+        ..Default::default()
+    };
     let start = Instant::now();
-    let (status, op) = s
-        .post("/v1/sandboxes", json!({ "template": "busybox" }))
-        .await;
-    assert_eq!(status, 202, "{op}");
-    let op_id = op["id"].as_str().expect("operation id").to_string();
+    let op = c.create_sandbox(&req).await.expect("POST /v1/sandboxes");
     loop {
-        let (status, op) = s.get(&format!("/v1/operations/{op_id}?wait=30s")).await;
-        assert_eq!(status, 200, "{op}");
-        match op["status"].as_str().unwrap_or_default() {
-            "succeeded" => {
+        let op = c
+            .operation(&op.id, Some(Duration::from_secs(30)))
+            .await
+            .expect("GET the create operation");
+        match op.status {
+            OperationStatus::Succeeded => {
                 let took = start.elapsed();
-                let sb = op["sandbox_id"].as_str().expect("sandbox id").to_string();
+                let sb = op.sandbox_id.expect("sandbox id");
                 return (sb, took);
             }
-            "failed" | "cancelled" => panic!("create failed: {op}\n{}", s.log()),
+            OperationStatus::Failed | OperationStatus::Cancelled => {
+                panic!("create failed: {op:?}\n{}", s.log())
+            }
             _ => assert!(
                 start.elapsed() < Duration::from_secs(120),
-                "create did not end: {op}"
+                "create did not end: {op:?}"
             ),
         }
     }
 }
 
 /// One `true` through our API.
-async fn timed_true(s: &TestServer, sb: &str) -> Duration {
+async fn timed_true(c: &Client, sb: &str) -> Duration {
+    let req = CreateCommandRequest {
+        argv: Some(vec!["true".into()]),
+        wait: Some(true),
+        ..Default::default()
+    };
     let start = Instant::now();
-    let (status, cmd) = s
-        .post(
-            &format!("/v1/sandboxes/{sb}/commands"),
-            json!({ "argv": ["true"], "wait": true }),
-        )
-        .await;
+    let cmd = c.create_command(sb, &req).await;
     let took = start.elapsed();
-    assert_eq!(status, 201, "{cmd}");
-    assert_eq!(cmd["state"], "exited", "{cmd}");
-    assert_eq!(cmd["result"]["exit_code"], 0, "{cmd}");
+    let cmd = cmd.expect("POST commands");
+    assert_eq!(cmd.state, CommandState::Exited, "{cmd:?}");
+    assert_eq!(
+        cmd.result.as_ref().and_then(|r| r.exit_code),
+        Some(0),
+        "{cmd:?}"
+    );
     took
 }
 

@@ -25,8 +25,9 @@ use std::time::{Duration, Instant};
 
 use common::TestServer;
 use futures::StreamExt;
-use rawsc::{bench_start, check_ours, check_raw, median, row, table_head, Raw};
-use serde_json::json;
+use rawsc::{bench_start, check_ours, check_raw, median, row, sh, table_head, Raw};
+use space_api::{CreateSandboxRequest, Resources};
+use space_client::{Client, UploadOptions};
 
 const FILES: usize = 8;
 const FILE_BYTES: u64 = 128 << 20;
@@ -89,60 +90,54 @@ fn tar_body(dir: PathBuf) -> reqwest::Body {
     reqwest::Body::wrap_stream(tokio_stream::wrappers::ReceiverStream::new(rx))
 }
 
-async fn ours_upload_tar(s: &TestServer, sb: &str, dir: &Path) -> Duration {
+async fn ours_upload_tar(c: &Client, sb: &str, dir: &Path) -> Duration {
     let t0 = Instant::now();
-    let resp = s
-        .req(
-            reqwest::Method::PUT,
-            &format!("/v1/sandboxes/{sb}/files?path=/up&format=tar"),
-        )
-        .body(tar_body(dir.to_path_buf()))
-        .send()
-        .await
-        .expect("upload");
+    let r = c
+        .upload_tar(sb, "/up", tar_body(dir.to_path_buf()), false)
+        .await;
     let took = t0.elapsed();
-    let status = resp.status();
-    let body = resp.text().await.unwrap_or_default();
-    assert_eq!(status, 201, "{body}");
+    r.unwrap_or_else(|e| panic!("tar upload: {e}"));
     took
 }
 
-async fn ours_download(s: &TestServer, sb: &str, query: &str) -> (Duration, u64) {
+/// What [`ours_download`] fetches.
+enum Fetch {
+    /// A directory, as a tar.
+    Tar(&'static str),
+    File(&'static str),
+}
+
+async fn ours_download(c: &Client, sb: &str, what: Fetch) -> (Duration, u64) {
     let t0 = Instant::now();
-    let resp = s
-        .req(
-            reqwest::Method::GET,
-            &format!("/v1/sandboxes/{sb}/files?{query}"),
-        )
-        .send()
-        .await
-        .expect("download");
-    assert_eq!(resp.status(), 200);
+    let mut stream = match what {
+        Fetch::Tar(dir) => c.download_tar(sb, dir, false).await,
+        Fetch::File(path) => c.download_file(sb, path).await.map(|d| d.body),
+    }
+    .unwrap_or_else(|e| panic!("download: {e}"));
     let mut n = 0u64;
-    let mut stream = resp.bytes_stream();
     while let Some(chunk) = stream.next().await {
         n += chunk.expect("chunk").len() as u64;
     }
     (t0.elapsed(), n)
 }
 
-async fn ours_upload_file(s: &TestServer, sb: &str, file: &Path) -> Duration {
+async fn ours_upload_file(c: &Client, sb: &str, file: &Path) -> Duration {
     let f = tokio::fs::File::open(file).await.expect("open");
+    let opts = UploadOptions {
+        content_length: Some(TOTAL),
+        ..Default::default()
+    };
     let t0 = Instant::now();
-    let resp = s
-        .req(
-            reqwest::Method::PUT,
-            &format!("/v1/sandboxes/{sb}/files?path=/big"),
+    let r = c
+        .upload_file(
+            sb,
+            "/big",
+            reqwest::Body::wrap_stream(tokio_util::io::ReaderStream::with_capacity(f, 1 << 20)),
+            &opts,
         )
-        .header(reqwest::header::CONTENT_LENGTH, TOTAL)
-        .body(reqwest::Body::wrap_stream(
-            tokio_util::io::ReaderStream::with_capacity(f, 1 << 20),
-        ))
-        .send()
-        .await
-        .expect("upload");
+        .await;
     let took = t0.elapsed();
-    assert_eq!(resp.status(), 201);
+    r.unwrap_or_else(|e| panic!("upload: {e}"));
     took
 }
 
@@ -181,12 +176,20 @@ fn main() {
     let tree = data.path().join("tree");
 
     let server = rt.block_on(TestServer::start_with(&["--max-upload-mib", "4096"]));
-    let ours = rt.block_on(server.create_with(
-        json!({"template": "busybox", "resources": {"disk_mib": 3072, "memory_mib": 1024}}),
-    ));
+    let c = rawsc::client_of(&server);
+    let req = CreateSandboxRequest {
+        template: "busybox".into(),
+        resources: Some(Resources {
+            disk_mib: Some(3072),
+            memory_mib: Some(1024),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let ours = rt.block_on(rawsc::create_ours(&c, &req));
     let raw = rawsc::raw_of(&server, &rawsc::our_bundle(&server, &ours));
     let rid = raw.start_new("main");
-    rt.block_on(check_ours(&server, &ours));
+    rt.block_on(check_ours(&c, &ours));
     check_raw(&raw, &rid);
 
     let mut o_up = Vec::new();
@@ -198,10 +201,10 @@ fn main() {
     let mut o_fdown = Vec::new();
     let mut r_fdown = Vec::new();
     for i in 0..RUNS {
-        rt.block_on(server.sh(&ours, "rm -rf /up /big"));
+        rt.block_on(sh(&c, &ours, "rm -rf /up /big"));
         raw.exec(&rid, &["/bin/sh", "-c", "rm -rf /up /big; mkdir -p /up"]);
 
-        let o = rt.block_on(ours_upload_tar(&server, &ours, &tree));
+        let o = rt.block_on(ours_upload_tar(&c, &ours, &tree));
         let mut tar = Command::new("tar");
         tar.args(["-c", "-C"]).arg(&tree).arg(".");
         let r = raw_pipe_in(&raw, &rid, tar, &["/bin/tar", "-x", "-C", "/up"]);
@@ -213,7 +216,7 @@ fn main() {
         o_up.push(o);
         r_up.push(r);
 
-        let (o, n) = rt.block_on(ours_download(&server, &ours, "path=/up&format=tar"));
+        let (o, n) = rt.block_on(ours_download(&c, &ours, Fetch::Tar("/up")));
         assert!(n >= TOTAL, "tar download of {n} bytes");
         let (r, rn) = raw.exec_count(&rid, &["/bin/tar", "-c", "-C", "/up", "."]);
         assert!(rn >= TOTAL);
@@ -225,16 +228,16 @@ fn main() {
         o_down.push(o);
         r_down.push(r);
 
-        rt.block_on(server.sh(&ours, "rm -rf /up"));
+        rt.block_on(sh(&c, &ours, "rm -rf /up"));
         raw.exec(&rid, &["/bin/sh", "-c", "rm -rf /up"]);
 
-        let o = rt.block_on(ours_upload_file(&server, &ours, &big));
+        let o = rt.block_on(ours_upload_file(&c, &ours, &big));
         let mut cat = Command::new("cat");
         cat.arg(&big);
         let r = raw_pipe_in(&raw, &rid, cat, &["/bin/sh", "-c", "cat > /big"]);
         o_fup.push(o);
         r_fup.push(r);
-        let (o, n) = rt.block_on(ours_download(&server, &ours, "path=/big"));
+        let (o, n) = rt.block_on(ours_download(&c, &ours, Fetch::File("/big")));
         assert_eq!(n, TOTAL);
         let (r, rn) = raw.exec_count(&rid, &["/bin/cat", "/big"]);
         assert_eq!(rn, TOTAL);
@@ -249,7 +252,7 @@ fn main() {
         );
     }
     // The data arrived intact: one file compared end to end.
-    let sum_in = rt.block_on(server.sh(&ours, "md5sum < /big"))["stdout"].clone();
+    let sum_in = rt.block_on(sh(&c, &ours, "md5sum < /big")).stdout;
     let mut h = Command::new("md5sum")
         .stdin(std::fs::File::open(&big).expect("big"))
         .stdout(Stdio::piped())
@@ -263,12 +266,12 @@ fn main() {
         .expect("md5");
     h.wait().expect("md5sum");
     assert_eq!(
-        sum_in.as_str().unwrap_or("").split_whitespace().next(),
+        sum_in.as_deref().unwrap_or("").split_whitespace().next(),
         local.split_whitespace().next()
     );
-    rt.block_on(check_ours(&server, &ours));
+    rt.block_on(check_ours(&c, &ours));
     check_raw(&raw, &rid);
-    let left = rawsc::teardown(&rt, server, &ours, raw, &rid);
+    let left = rawsc::teardown(&rt, server, &c, &ours, raw, &rid);
     rawsc::assert_nothing_left(&left, &rid);
 
     table_head("files", &facts);

@@ -28,7 +28,8 @@ use common::TestServer;
 use rawsc::{
     bench_start, check_ours, check_raw, max, median, ms, row, runsc_processes, table_head,
 };
-use serde_json::Value;
+use space_api::{OperationStatus, Sandbox, SandboxState};
+use space_client::Client;
 use space_runtime::dir_size;
 
 /// Timed iterations of each cycle, per side.
@@ -53,15 +54,16 @@ struct Side {
 fn main() {
     let (rt, facts) = bench_start();
     let server = rt.block_on(TestServer::start());
+    let c = rawsc::client_of(&server);
 
     // Our sandbox; its OCI bundle is the one the raw side runs.
-    let ours = rt.block_on(server.create("busybox"));
+    let ours = rt.block_on(rawsc::create_busybox(&c));
     let our_bundle = rawsc::our_bundle(&server, &ours);
     let our_snapshot = server.data_dir().join("snapshots").join(&ours);
     let raw = rawsc::raw_of(&server, &our_bundle);
     let rid = raw.start_new("main");
 
-    rt.block_on(check_ours(&server, &ours));
+    rt.block_on(check_ours(&c, &ours));
     check_raw(&raw, &rid);
 
     let mut o = Side::default();
@@ -72,11 +74,11 @@ fn main() {
     // 1. pause + resume, interleaved so that background load hits both sides alike.
     eprintln!("bench: pause+resume x{N} (each side, after {WARMUPS} warm-up)");
     for i in 0..WARMUPS + N {
-        let p = rt.block_on(timed_op(&server, &ours, "pause"));
-        rt.block_on(expect_state(&server, &ours, "paused"));
-        let q = rt.block_on(timed_op(&server, &ours, "resume"));
-        rt.block_on(expect_state(&server, &ours, "running"));
-        rt.block_on(check_ours(&server, &ours));
+        let p = rt.block_on(timed_op(&server, &c, &ours, Verb::Pause));
+        rt.block_on(expect_state(&c, &ours, SandboxState::Paused));
+        let q = rt.block_on(timed_op(&server, &c, &ours, Verb::Resume));
+        rt.block_on(expect_state(&c, &ours, SandboxState::Running));
+        rt.block_on(check_ours(&c, &ours));
 
         let rp = raw.pause(&rid);
         assert_eq!(raw.state(&rid).as_deref(), Some("paused"));
@@ -103,14 +105,15 @@ fn main() {
     eprintln!("bench: suspend + resume from snapshot x{N} (each side, after {WARMUPS} warm-up)");
     for i in 0..WARMUPS + N {
         // Ours.
-        let s = rt.block_on(timed_op(&server, &ours, "suspend"));
-        let sb = rt.block_on(expect_state(&server, &ours, "suspended"));
-        let bytes = sb["cost"]["snapshot_bytes"]
-            .as_u64()
-            .unwrap_or_else(|| panic!("suspended without cost.snapshot_bytes: {sb}"));
-        assert!(bytes > 0, "empty snapshot: {sb}");
+        let s = rt.block_on(timed_op(&server, &c, &ours, Verb::Suspend));
+        let sb = rt.block_on(expect_state(&c, &ours, SandboxState::Suspended));
+        let bytes = sb
+            .cost
+            .snapshot_bytes
+            .unwrap_or_else(|| panic!("suspended without cost.snapshot_bytes: {sb:?}"));
+        assert!(bytes > 0, "empty snapshot: {sb:?}");
         // Documented: a suspended sandbox holds no memory.
-        assert_eq!(sb["cost"]["memory_bytes"], 0, "{sb}");
+        assert_eq!(sb.cost.memory_bytes, Some(0), "{sb:?}");
         let on_disk = dir_size(&our_snapshot);
         if on_disk != bytes {
             anomalies.push(format!(
@@ -125,14 +128,13 @@ fn main() {
             "runsc processes of suspended {ours} remain: {left:?}"
         );
         let t0 = Instant::now();
-        let q = rt.block_on(timed_op(&server, &ours, "resume"));
-        rt.block_on(run_true(&server, &ours));
+        let q = rt.block_on(timed_op(&server, &c, &ours, Verb::Resume));
+        rt.block_on(run_true(&c, &ours));
         let qx = t0.elapsed();
-        let sb = rt.block_on(expect_state(&server, &ours, "running"));
-        if !sb["cost"]["snapshot_bytes"].is_null() {
+        let sb = rt.block_on(expect_state(&c, &ours, SandboxState::Running));
+        if let Some(n) = sb.cost.snapshot_bytes {
             anomalies.push(format!(
-                "resumed sandbox still reports cost.snapshot_bytes {}",
-                sb["cost"]["snapshot_bytes"]
+                "resumed sandbox still reports cost.snapshot_bytes {n}"
             ));
         }
         if our_snapshot.exists() {
@@ -141,7 +143,7 @@ fn main() {
                 our_snapshot.display()
             ));
         }
-        rt.block_on(check_ours(&server, &ours));
+        rt.block_on(check_ours(&c, &ours));
 
         // Raw.
         let rs = raw.checkpoint(&rid);
@@ -172,7 +174,7 @@ fn main() {
     }
 
     // Clean up, then check that nothing of ours or the raw side is left running.
-    let left = rawsc::teardown(&rt, server, &ours, raw, &rid);
+    let left = rawsc::teardown(&rt, server, &c, &ours, raw, &rid);
     rawsc::assert_nothing_left(&left, &rid);
 
     // The table.
@@ -236,43 +238,55 @@ fn main() {
     }
 }
 
-/// `POST /v1/sandboxes/{sb}/{action}` and long-poll until the operation succeeded.
-async fn timed_op(s: &TestServer, sb: &str, action: &str) -> Duration {
+/// A lifecycle request of ours.
+#[derive(Clone, Copy, Debug)]
+enum Verb {
+    Pause,
+    Resume,
+    Suspend,
+}
+
+/// `POST /v1/sandboxes/{sb}/{verb}` and long-poll until the operation succeeded.
+async fn timed_op(s: &TestServer, c: &Client, sb: &str, verb: Verb) -> Duration {
     let start = Instant::now();
-    let (status, op) = s
-        .call(
-            reqwest::Method::POST,
-            &format!("/v1/sandboxes/{sb}/{action}"),
-            None,
-        )
-        .await;
-    assert_eq!(status, 202, "{action}: {op}");
-    let op_id = op["id"].as_str().expect("operation id").to_string();
+    let op = match verb {
+        Verb::Pause => c.pause_sandbox(sb).await,
+        Verb::Resume => c.resume_sandbox(sb).await,
+        Verb::Suspend => c.suspend_sandbox(sb).await,
+    }
+    .unwrap_or_else(|e| panic!("{verb:?} of {sb}: {e}"));
     loop {
-        let (status, op) = s.get(&format!("/v1/operations/{op_id}?wait=30s")).await;
-        assert_eq!(status, 200, "{op}");
-        match op["status"].as_str().unwrap_or_default() {
-            "succeeded" => return start.elapsed(),
-            "failed" | "cancelled" => panic!("{action} of {sb} failed: {op}\n{}", s.log()),
+        let op = c
+            .operation(&op.id, Some(Duration::from_secs(30)))
+            .await
+            .expect("GET the operation");
+        match op.status {
+            OperationStatus::Succeeded => return start.elapsed(),
+            OperationStatus::Failed | OperationStatus::Cancelled => {
+                panic!("{verb:?} of {sb} failed: {op:?}\n{}", s.log())
+            }
             _ => assert!(
                 start.elapsed() < OP_LIMIT,
-                "{action} of {sb} did not end: {op}"
+                "{verb:?} of {sb} did not end: {op:?}"
             ),
         }
     }
 }
 
 /// The sandbox object, which must be in `state`.
-async fn expect_state(s: &TestServer, sb: &str, state: &str) -> Value {
-    let (status, v) = s.get(&format!("/v1/sandboxes/{sb}")).await;
-    assert_eq!(status, 200, "{v}");
-    assert_eq!(v["state"], state, "{v}");
+async fn expect_state(c: &Client, sb: &str, state: SandboxState) -> Sandbox {
+    let v = c.sandbox(sb).await.expect("GET the sandbox");
+    assert_eq!(v.state, state, "{v:?}");
     v
 }
 
 /// One `true` through our API.
-async fn run_true(s: &TestServer, sb: &str) {
-    let cmd = s.run(sb, &["true"]).await;
-    assert_eq!(cmd["state"], "exited", "{cmd}");
-    assert_eq!(cmd["result"]["exit_code"], 0, "{cmd}");
+async fn run_true(c: &Client, sb: &str) {
+    let cmd = c.run(sb, &["true"]).await.expect("true");
+    assert_eq!(cmd.state, space_api::CommandState::Exited, "{cmd:?}");
+    assert_eq!(
+        cmd.result.as_ref().and_then(|r| r.exit_code),
+        Some(0),
+        "{cmd:?}"
+    );
 }

@@ -23,40 +23,59 @@ use std::time::{Duration, Instant};
 
 use common::TestServer;
 use rawsc::{bench_start, median, ms, percentile};
-use serde_json::{json, Value};
+use space_api::{CreateCommandRequest, CreateSandboxRequest};
+use space_client::Client;
 
 const BOOTS: usize = 3;
 const CYCLES: usize = 2;
 const EXECS: usize = 30;
 
-async fn timed_create(s: &TestServer, runtime: &str) -> (String, Duration) {
+async fn timed_create(c: &Client, runtime: &str) -> (String, Duration) {
+    let req = CreateSandboxRequest {
+        template: "busybox".into(),
+        runtime: Some(runtime.into()),
+        ..Default::default()
+    };
     let t0 = Instant::now();
-    let sb = s
-        .create_with(json!({"template": "busybox", "runtime": runtime}))
-        .await;
+    let sb = rawsc::create_ours(c, &req).await;
     (sb, t0.elapsed())
 }
 
-async fn timed_op(s: &TestServer, path: &str) -> Duration {
+/// Suspend or resume.
+#[derive(Clone, Copy, Debug)]
+enum Verb {
+    Suspend,
+    Resume,
+}
+
+async fn timed_op(c: &Client, sb: &str, verb: Verb) -> Duration {
     let t0 = Instant::now();
-    let (st, op) = s.post(path, json!({})).await;
-    assert_eq!(st, 202, "{op}");
-    let op = s.wait_op(op["id"].as_str().unwrap()).await;
-    assert_eq!(op["status"], "succeeded", "{op}");
+    let op = match verb {
+        Verb::Suspend => c.suspend_sandbox(sb).await,
+        Verb::Resume => c.resume_sandbox(sb).await,
+    }
+    .unwrap_or_else(|e| panic!("{verb:?} of {sb}: {e}"));
+    c.wait_operation_succeeded(&op.id, rawsc::OUR_OP_LIMIT)
+        .await
+        .unwrap_or_else(|e| panic!("{verb:?} of {sb}: {e}"));
     t0.elapsed()
 }
 
-async fn exec_true(s: &TestServer, sb: &str) -> Duration {
+async fn exec_true(c: &Client, sb: &str) -> Duration {
+    let req = CreateCommandRequest {
+        argv: Some(vec!["true".into()]),
+        wait: Some(true),
+        ..Default::default()
+    };
     let t0 = Instant::now();
-    let (st, cmd) = s
-        .post(
-            &format!("/v1/sandboxes/{sb}/commands"),
-            json!({"argv": ["true"], "wait": true}),
-        )
-        .await;
+    let cmd = c.create_command(sb, &req).await;
     let took = t0.elapsed();
-    assert_eq!(st, 201, "{cmd}");
-    assert_eq!(cmd["result"]["exit_code"], 0, "{cmd}");
+    let cmd = cmd.unwrap_or_else(|e| panic!("POST commands: {e}"));
+    assert_eq!(
+        cmd.result.as_ref().and_then(|r| r.exit_code),
+        Some(0),
+        "{cmd:?}"
+    );
     took
 }
 
@@ -139,13 +158,14 @@ fn raw_qemu_boot(ours: &[String]) -> Duration {
 fn main() {
     let (rt, facts) = bench_start();
     let server = rt.block_on(TestServer::start());
-    let (_, info) = rt.block_on(server.get("/v1/runtimes"));
-    let microvm = info["runtimes"]
-        .as_array()
-        .and_then(|a| a.iter().find(|r| r["name"] == "microvm").cloned())
-        .unwrap_or(Value::Null);
-    assert_eq!(microvm["available"], true, "microvm unavailable: {microvm}");
-    let accel = microvm["accelerator"].as_str().unwrap_or("?").to_string();
+    let c = rawsc::client_of(&server);
+    let runtimes = rt.block_on(c.runtimes()).expect("GET /v1/runtimes");
+    let microvm = runtimes
+        .iter()
+        .find(|r| r.name == "microvm")
+        .unwrap_or_else(|| panic!("no microvm runtime in {runtimes:?}"));
+    assert!(microvm.available, "microvm unavailable: {microvm:?}");
+    let accel = microvm.accelerator.clone().unwrap_or_else(|| "?".into());
 
     let mut boot = std::collections::BTreeMap::<&str, Vec<Duration>>::new();
     let mut suspend = std::collections::BTreeMap::<&str, Vec<Duration>>::new();
@@ -160,17 +180,17 @@ fn main() {
         eprintln!("bench: {runtime}: {BOOTS} boots, {CYCLES} suspend/resume cycles, {EXECS} execs");
         let mut keep = None;
         for i in 0..BOOTS {
-            let (sb, took) = rt.block_on(timed_create(&server, runtime));
+            let (sb, took) = rt.block_on(timed_create(&c, runtime));
             boot.entry(runtime).or_default().push(took);
             if i + 1 < BOOTS {
-                rt.block_on(server.destroy(&sb));
+                rt.block_on(rawsc::destroy_ours(&c, &server, &sb));
             } else {
                 keep = Some(sb);
             }
         }
         let sb = keep.expect("a sandbox");
         for _ in 0..EXECS {
-            let d = rt.block_on(exec_true(&server, &sb));
+            let d = rt.block_on(exec_true(&c, &sb));
             exec.entry(runtime).or_default().push(d);
         }
         if runtime == "microvm" {
@@ -193,15 +213,15 @@ fn main() {
             }
         }
         for _ in 0..CYCLES {
-            let s = rt.block_on(timed_op(&server, &format!("/v1/sandboxes/{sb}/suspend")));
+            let s = rt.block_on(timed_op(&c, &sb, Verb::Suspend));
             suspend.entry(runtime).or_default().push(s);
-            let (_, v) = rt.block_on(server.get(&format!("/v1/sandboxes/{sb}")));
-            snap_bytes.insert(runtime, v["cost"]["snapshot_bytes"].as_u64().unwrap_or(0));
-            let r = rt.block_on(timed_op(&server, &format!("/v1/sandboxes/{sb}/resume")));
+            let v = rt.block_on(c.sandbox(&sb)).expect("GET the sandbox");
+            snap_bytes.insert(runtime, v.cost.snapshot_bytes.unwrap_or(0));
+            let r = rt.block_on(timed_op(&c, &sb, Verb::Resume));
             resume.entry(runtime).or_default().push(r);
-            rt.block_on(rawsc::check_ours(&server, &sb));
+            rt.block_on(rawsc::check_ours(&c, &sb));
         }
-        rt.block_on(server.destroy(&sb));
+        rt.block_on(rawsc::destroy_ours(&c, &server, &sb));
     }
     drop(server);
 

@@ -1,4 +1,5 @@
-//! The CLI: subcommands that talk HTTP to a running server (`SPACE_URL`, `SPACE_TOKEN`).
+//! The CLI: subcommands that talk HTTP to a running server (`SPACE_URL`, `SPACE_TOKEN`)
+//! through `space_client::Client`; this module owns only their output and exit codes.
 
 use std::io::Write;
 use std::time::Duration;
@@ -7,12 +8,12 @@ use anyhow::{bail, Context};
 use base64::Engine;
 use clap::{Args, Subcommand};
 use futures::StreamExt;
-use serde::de::DeserializeOwned;
 use serde_json::Value;
 use space_api::{
-    Command, CreateCommandRequest, CreateSandboxRequest, ErrorBody, Operation, OperationStatus,
-    Resources, Sandbox, SandboxList, TemplateList,
+    CommandState, CreateCommandRequest, CreateSandboxRequest, Operation, OperationStatus,
+    ProcessResult, Resources,
 };
+use space_client::{status_text, Client, ClientError, EventsQuery, OutputItem, OutputQuery};
 
 #[derive(Subcommand)]
 pub enum SandboxCmd {
@@ -132,64 +133,6 @@ pub enum ClientCmd {
     },
 }
 
-pub(crate) struct Client {
-    http: reqwest::Client,
-    base: String,
-    token: String,
-}
-
-impl Client {
-    pub(crate) fn from_env() -> anyhow::Result<Client> {
-        let base = std::env::var("SPACE_URL").unwrap_or_else(|_| "http://127.0.0.1:7070".into());
-        let token = std::env::var("SPACE_TOKEN").unwrap_or_else(|_| "space-dev-token".into());
-        Ok(Client {
-            http: reqwest::Client::builder().build()?,
-            base: base.trim_end_matches('/').to_string(),
-            token,
-        })
-    }
-
-    pub(crate) fn req(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
-        self.http
-            .request(method, format!("{}{}", self.base, path))
-            .bearer_auth(&self.token)
-    }
-
-    pub(crate) async fn send<T: DeserializeOwned>(
-        &self,
-        rb: reqwest::RequestBuilder,
-    ) -> anyhow::Result<T> {
-        let resp = rb
-            .send()
-            .await
-            .with_context(|| format!("cannot reach the space server at {}", self.base))?;
-        let status = resp.status();
-        let bytes = resp.bytes().await?;
-        if !status.is_success() {
-            match serde_json::from_slice::<ErrorBody>(&bytes) {
-                Ok(e) => bail!("{} ({}): {}", status, e.error.code, e.error.message),
-                Err(_) => bail!("{}: {}", status, String::from_utf8_lossy(&bytes)),
-            }
-        }
-        Ok(serde_json::from_slice(&bytes)?)
-    }
-
-    async fn wait_op(&self, id: &str, timeout: Duration) -> anyhow::Result<Operation> {
-        let deadline = tokio::time::Instant::now() + timeout;
-        loop {
-            let op: Operation = self
-                .send(self.req(
-                    reqwest::Method::GET,
-                    &format!("/v1/operations/{id}?wait=30s"),
-                ))
-                .await?;
-            if op.status.is_terminal() || tokio::time::Instant::now() >= deadline {
-                return Ok(op);
-            }
-        }
-    }
-}
-
 fn key_values(
     items: &[String],
     what: &str,
@@ -209,24 +152,17 @@ fn print_json(v: &impl serde::Serialize) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `operation op_… failed: code: message` unless the operation succeeded.
 fn op_outcome(op: &Operation) -> anyhow::Result<()> {
     match op.status {
         OperationStatus::Succeeded => Ok(()),
-        _ => {
-            let msg = op
-                .error
-                .as_ref()
-                .map(|e| format!("{}: {}", e.code, e.message))
-                .unwrap_or_else(|| "no error given".into());
-            bail!("operation {} {}: {}", op.id, op.status, msg)
-        }
+        _ => Err(ClientError::OperationFailed(Box::new(op.clone())).into()),
     }
 }
 
 /// Runs a client command; returns the process exit code.
 pub async fn run(cmd: ClientCmd) -> anyhow::Result<i32> {
     let c = Client::from_env()?;
-    use reqwest::Method as M;
     match cmd {
         ClientCmd::Sandbox(SandboxCmd::Create {
             template,
@@ -255,33 +191,24 @@ pub async fn run(cmd: ClientCmd) -> anyhow::Result<i32> {
                 resources,
                 ..Default::default()
             };
-            let op: Operation = c.send(c.req(M::POST, "/v1/sandboxes").json(&req)).await?;
+            let op = c.create_sandbox(&req).await?;
             if no_wait {
                 print_json(&op)?;
                 return Ok(0);
             }
             let sb = op.sandbox_id.clone().unwrap_or_default();
             eprintln!("creating {sb} (operation {})…", op.id);
-            let op = c.wait_op(&op.id, Duration::from_secs(3600)).await?;
+            let op = c.wait_operation(&op.id, Duration::from_secs(3600)).await?;
             op_outcome(&op)?;
             println!("{sb}");
         }
         ClientCmd::Sandbox(SandboxCmd::Ls { labels }) => {
-            let filter = key_values(&labels, "label")?
-                .into_iter()
-                .map(|(k, v)| format!("{k}={v}"))
-                .collect::<Vec<_>>()
-                .join(",");
-            let mut rb = c.req(M::GET, "/v1/sandboxes");
-            if !filter.is_empty() {
-                rb = rb.query(&[("label", filter)]);
-            }
-            let list: SandboxList = c.send(rb).await?;
+            let sandboxes = c.list_sandboxes(key_values(&labels, "label")?).await?;
             println!(
                 "{:<25} {:<11} {:<10} {:<8} CREATED",
                 "ID", "STATE", "TEMPLATE", "RUNTIME"
             );
-            for s in list.sandboxes {
+            for s in sandboxes {
                 println!(
                     "{:<25} {:<11} {:<10} {:<8} {}",
                     s.id, s.state, s.template, s.runtime, s.created_at
@@ -289,56 +216,36 @@ pub async fn run(cmd: ClientCmd) -> anyhow::Result<i32> {
             }
         }
         ClientCmd::Sandbox(SandboxCmd::Get { id }) => {
-            let sb: Sandbox = c
-                .send(c.req(M::GET, &format!("/v1/sandboxes/{id}")))
-                .await?;
-            print_json(&sb)?;
+            print_json(&c.sandbox(&id).await?)?;
         }
         ClientCmd::Sandbox(SandboxCmd::Rm { id, no_wait }) => {
-            let op: Operation = c
-                .send(c.req(M::DELETE, &format!("/v1/sandboxes/{id}")))
-                .await?;
+            let op = c.destroy_sandbox(&id).await?;
             if no_wait {
                 print_json(&op)?;
                 return Ok(0);
             }
-            let op = c.wait_op(&op.id, Duration::from_secs(600)).await?;
+            let op = c.wait_operation(&op.id, Duration::from_secs(600)).await?;
             op_outcome(&op)?;
             eprintln!("destroyed {id}");
         }
         ClientCmd::Sandbox(SandboxCmd::Pause { id, no_wait }) => {
-            lifecycle(&c, &id, "pause", no_wait).await?;
+            lifecycle(&c, &id, Verb::Pause, no_wait).await?;
         }
         ClientCmd::Sandbox(SandboxCmd::Resume { id, no_wait }) => {
-            lifecycle(&c, &id, "resume", no_wait).await?;
+            lifecycle(&c, &id, Verb::Resume, no_wait).await?;
         }
         ClientCmd::Sandbox(SandboxCmd::Suspend { id, no_wait }) => {
-            lifecycle(&c, &id, "suspend", no_wait).await?;
+            lifecycle(&c, &id, Verb::Suspend, no_wait).await?;
         }
         ClientCmd::Sandbox(SandboxCmd::Keepalive { id, ttl }) => {
-            let body = serde_json::json!({ "ttl_seconds": ttl });
-            let body = if ttl.is_some() {
-                body
-            } else {
-                serde_json::json!({})
-            };
-            let sb: Sandbox = c
-                .send(
-                    c.req(M::POST, &format!("/v1/sandboxes/{id}/keepalive"))
-                        .json(&body),
-                )
-                .await?;
-            print_json(&sb)?;
+            print_json(&c.keepalive(&id, ttl).await?)?;
         }
         ClientCmd::Events { after } => return events(&c, after).await,
         ClientCmd::Ops(OpsCmd::Get { id }) => {
-            let op: Operation = c
-                .send(c.req(M::GET, &format!("/v1/operations/{id}")))
-                .await?;
-            print_json(&op)?;
+            print_json(&c.operation(&id, None).await?)?;
         }
         ClientCmd::Ops(OpsCmd::Wait { id, timeout }) => {
-            let op = c.wait_op(&id, Duration::from_secs(timeout)).await?;
+            let op = c.wait_operation(&id, Duration::from_secs(timeout)).await?;
             print_json(&op)?;
             return Ok(if op.status == OperationStatus::Succeeded {
                 0
@@ -347,9 +254,9 @@ pub async fn run(cmd: ClientCmd) -> anyhow::Result<i32> {
             });
         }
         ClientCmd::Templates => {
-            let list: TemplateList = c.send(c.req(M::GET, "/v1/templates")).await?;
+            let templates = c.templates().await?;
             println!("{:<12} {:<6} {:<8} SIZE", "NAME", "READY", "BUILTIN");
-            for t in list.templates {
+            for t in templates {
                 println!(
                     "{:<12} {:<6} {:<8} {}",
                     t.name,
@@ -367,19 +274,27 @@ pub async fn run(cmd: ClientCmd) -> anyhow::Result<i32> {
     Ok(0)
 }
 
+/// A lifecycle verb of `space sandbox`.
+#[derive(Clone, Copy)]
+enum Verb {
+    Pause,
+    Resume,
+    Suspend,
+}
+
 /// `space sandbox pause|resume|suspend`.
-async fn lifecycle(c: &Client, id: &str, verb: &str, no_wait: bool) -> anyhow::Result<()> {
-    let op: Operation = c
-        .send(c.req(reqwest::Method::POST, &format!("/v1/sandboxes/{id}/{verb}")))
-        .await?;
+async fn lifecycle(c: &Client, id: &str, verb: Verb, no_wait: bool) -> anyhow::Result<()> {
+    let op = match verb {
+        Verb::Pause => c.pause_sandbox(id).await?,
+        Verb::Resume => c.resume_sandbox(id).await?,
+        Verb::Suspend => c.suspend_sandbox(id).await?,
+    };
     if no_wait {
         return print_json(&op);
     }
-    let op = c.wait_op(&op.id, Duration::from_secs(600)).await?;
+    let op = c.wait_operation(&op.id, Duration::from_secs(600)).await?;
     op_outcome(&op)?;
-    let sb: Sandbox = c
-        .send(c.req(reqwest::Method::GET, &format!("/v1/sandboxes/{id}")))
-        .await?;
+    let sb = c.sandbox(id).await?;
     eprintln!("{id} is {}", sb.state);
     Ok(())
 }
@@ -389,37 +304,40 @@ async fn events(c: &Client, after: Option<i64>) -> anyhow::Result<i32> {
     let mut last = after;
     let mut failures = 0u32;
     loop {
-        let mut rb = c.req(reqwest::Method::GET, "/v1/events");
-        if let Some(id) = last {
-            rb = rb.header("last-event-id", id.to_string());
-        }
-        match rb.send().await {
-            Ok(resp) if resp.status().is_success() => {
-                let mut body = resp.bytes_stream();
-                let mut buf: Vec<u8> = Vec::new();
-                while let Some(Ok(chunk)) = body.next().await {
-                    failures = 0;
-                    buf.extend_from_slice(&chunk);
-                    while let Some(pos) = buf.windows(2).position(|w| w == b"\n\n") {
-                        let frame: Vec<u8> = buf.drain(..pos + 2).collect();
-                        for line in String::from_utf8_lossy(&frame).lines() {
-                            if let Some(data) = line.strip_prefix("data: ") {
-                                // A closed stdout (`space events | head`) ends us quietly.
-                                let mut out = std::io::stdout().lock();
-                                if writeln!(out, "{data}").and_then(|_| out.flush()).is_err() {
-                                    return Ok(0);
-                                }
-                                if let Ok(v) = serde_json::from_str::<Value>(data) {
-                                    last = v.get("id").and_then(Value::as_i64).or(last);
-                                }
-                            }
-                        }
+        let q = EventsQuery {
+            after: None,
+            last_event_id: last,
+        };
+        match c.events(&q).await {
+            Ok(mut stream) => {
+                failures = 0;
+                while let Some(item) = stream.next().await {
+                    let event = match item {
+                        Ok(e) => e,
+                        // The connection broke: reconnect after the last event seen.
+                        Err(e) if e.is_transport() => break,
+                        Err(e) => return Err(e.into()),
+                    };
+                    // A closed stdout (`space events | head`) ends us quietly.
+                    let line = serde_json::to_string(&event)?;
+                    let mut out = std::io::stdout().lock();
+                    if writeln!(out, "{line}").and_then(|_| out.flush()).is_err() {
+                        return Ok(0);
                     }
+                    last = Some(event.id);
                 }
             }
-            Ok(resp) => bail!("reading events failed: {}", resp.status()),
-            Err(e) if failures > 30 => return Err(e).context("lost the connection to the server"),
-            Err(_) => {}
+            Err(e) => {
+                if let Some(status) = e.status() {
+                    bail!("reading events failed: {}", status_text(status));
+                }
+                if !e.is_transport() {
+                    return Err(e.into());
+                }
+                if failures > 30 {
+                    return Err(e).context("lost the connection to the server");
+                }
+            }
         }
         failures += 1;
         tokio::time::sleep(Duration::from_millis(200 * u64::from(failures.min(10)))).await;
@@ -429,24 +347,6 @@ async fn events(c: &Client, after: Option<i64>) -> anyhow::Result<i32> {
 /// `space exec`: start the command, stream its output live (resuming from the
 /// last offset if the connection drops), exit with its exit code.
 async fn exec(c: &Client, args: ExecArgs) -> anyhow::Result<i32> {
-    if args.tty || args.interactive {
-        return crate::tty::exec_attached(
-            &c.base,
-            &c.token,
-            &c.http,
-            &args.sandbox,
-            CreateCommandRequest {
-                argv: Some(args.argv),
-                env: Some(key_values(&args.env, "env")?),
-                cwd: args.cwd,
-                user: args.user,
-                timeout_seconds: args.timeout,
-                ..Default::default()
-            },
-            args.tty,
-        )
-        .await;
-    }
     let req = CreateCommandRequest {
         argv: Some(args.argv),
         env: Some(key_values(&args.env, "env")?),
@@ -455,28 +355,23 @@ async fn exec(c: &Client, args: ExecArgs) -> anyhow::Result<i32> {
         timeout_seconds: args.timeout,
         ..Default::default()
     };
-    let cmd: Command = c
-        .send(
-            c.req(
-                reqwest::Method::POST,
-                &format!("/v1/sandboxes/{}/commands", args.sandbox),
-            )
-            .json(&req),
-        )
-        .await?;
+    if args.tty || args.interactive {
+        return crate::tty::exec_attached(c, &args.sandbox, req, args.tty).await;
+    }
+    let cmd = c.create_command(&args.sandbox, &req).await?;
     let mut offset = 0u64;
     let mut failures = 0u32;
     let stdout = std::io::stdout();
     let stderr = std::io::stderr();
     loop {
-        let url = format!(
-            "{}?follow=true&stream=combined&offset={offset}",
-            cmd.output_url
-        );
-        let resp = match c.req(reqwest::Method::GET, &url).send().await {
-            Ok(r) if r.status().is_success() => r,
-            Ok(r) => bail!("reading output failed: {}", r.status()),
-            Err(e) => {
+        let q = OutputQuery {
+            offset,
+            follow: true,
+            view: space_client::OutputView::Combined,
+        };
+        let mut output = match c.command_output(&cmd.sandbox_id, &cmd.id, &q).await {
+            Ok(s) => s,
+            Err(e) if e.is_transport() => {
                 failures += 1;
                 if failures > 30 {
                     return Err(e).context("lost the connection to the server");
@@ -484,32 +379,34 @@ async fn exec(c: &Client, args: ExecArgs) -> anyhow::Result<i32> {
                 tokio::time::sleep(Duration::from_millis(200 * u64::from(failures.min(10)))).await;
                 continue;
             }
+            Err(e) => return Err(output_failed(e)),
         };
-        let mut body = resp.bytes_stream();
-        let mut buf: Vec<u8> = Vec::new();
-        while let Some(chunk) = body.next().await {
-            let Ok(chunk) = chunk else { break };
-            failures = 0;
-            buf.extend_from_slice(&chunk);
-            while let Some(nl) = buf.iter().position(|b| *b == b'\n') {
-                let line: Vec<u8> = buf.drain(..=nl).collect();
-                let v: Value = serde_json::from_slice(&line).context("unreadable output line")?;
-                if let Some(data) = v.get("data").and_then(Value::as_str) {
-                    let bytes = base64::engine::general_purpose::STANDARD.decode(data)?;
-                    if v.get("stream").and_then(Value::as_str) == Some("stderr") {
+        while let Some(item) = output.next().await {
+            match item {
+                Ok(OutputItem::Chunk {
+                    stream,
+                    offset: at,
+                    data,
+                }) => {
+                    failures = 0;
+                    if stream == space_client::StdStream::Stderr {
                         let mut e = stderr.lock();
-                        e.write_all(&bytes)?;
+                        e.write_all(&data)?;
                         e.flush()?;
                     } else {
                         let mut o = stdout.lock();
-                        o.write_all(&bytes)?;
+                        o.write_all(&data)?;
                         o.flush()?;
                     }
-                    offset = v.get("offset").and_then(Value::as_u64).unwrap_or(offset)
-                        + bytes.len() as u64;
-                } else if v.get("result").is_some() || v.get("state").is_some() {
-                    return Ok(exit_code_of(&v));
+                    offset = at + data.len() as u64;
                 }
+                Ok(OutputItem::End {
+                    state,
+                    result,
+                    lost_reason,
+                }) => return Ok(exit_code_of(state, result.as_ref(), lost_reason.as_deref())),
+                Err(e) if e.is_transport() => break,
+                Err(e) => return Err(e.into()),
             }
         }
         // The stream ended without a result: the server went away; resume.
@@ -521,23 +418,28 @@ async fn exec(c: &Client, args: ExecArgs) -> anyhow::Result<i32> {
     }
 }
 
-fn exit_code_of(end: &Value) -> i32 {
-    let result = end.get("result").unwrap_or(&Value::Null);
-    if let Some(code) = result.get("exit_code").and_then(Value::as_i64) {
-        return code as i32;
+/// A refused output request says which status refused it.
+fn output_failed(e: ClientError) -> anyhow::Error {
+    match e.status() {
+        Some(status) => anyhow::anyhow!("reading output failed: {}", status_text(status)),
+        None => e.into(),
     }
-    if let Some(sig) = result.get("signal").and_then(Value::as_i64) {
-        return 128 + sig as i32;
+}
+
+/// The shell's convention: the exit code, or 128 + the signal that killed it.
+fn exit_code_of(state: CommandState, result: Option<&ProcessResult>, lost: Option<&str>) -> i32 {
+    if let Some(r) = result {
+        if let Some(code) = r.exit_code {
+            return code;
+        }
+        if let Some(sig) = r.signal {
+            return 128i32.saturating_add(sig);
+        }
     }
-    let state = end
-        .get("state")
-        .and_then(Value::as_str)
-        .unwrap_or("unknown");
-    let reason = end
-        .get("lost_reason")
-        .and_then(Value::as_str)
-        .unwrap_or("no result");
-    eprintln!("space: command ended {state}: {reason}");
+    eprintln!(
+        "space: command ended {state}: {}",
+        lost.unwrap_or("no result")
+    );
     255
 }
 
@@ -595,13 +497,10 @@ fn recipe_json(path: &std::path::Path) -> anyhow::Result<Value> {
 
 /// `space template …`.
 async fn template_cmd(c: &Client, cmd: TemplateCmd) -> anyhow::Result<i32> {
-    use reqwest::Method as M;
     match cmd {
         TemplateCmd::Build { file, no_wait } => {
             let recipe = recipe_json(&file)?;
-            let op: Operation = c
-                .send(c.req(M::POST, "/v1/templates").json(&recipe))
-                .await?;
+            let op = c.build_template(&recipe).await?;
             if no_wait {
                 print_json(&op)?;
                 return Ok(0);
@@ -611,20 +510,19 @@ async fn template_cmd(c: &Client, cmd: TemplateCmd) -> anyhow::Result<i32> {
                 op.template.as_deref().unwrap_or_default(),
                 op.id
             );
-            // The log, live, until the build ends.
-            let resp = c
-                .req(M::GET, &format!("/v1/operations/{}/log?follow=true", op.id))
-                .send()
-                .await?;
-            if resp.status().is_success() {
-                let mut body = resp.bytes_stream();
-                let mut out = std::io::stdout();
-                while let Some(chunk) = body.next().await {
-                    out.write_all(&chunk?)?;
-                    out.flush()?;
+            // The log, live, until the build ends (a build without one goes on to the wait).
+            match c.build_log(&op.id, true).await {
+                Ok(mut body) => {
+                    let mut out = std::io::stdout();
+                    while let Some(chunk) = body.next().await {
+                        out.write_all(&chunk?)?;
+                        out.flush()?;
+                    }
                 }
+                Err(e) if e.status().is_some() => {}
+                Err(e) => return Err(e.into()),
             }
-            let op = c.wait_op(&op.id, Duration::from_secs(3600)).await?;
+            let op = c.wait_operation(&op.id, Duration::from_secs(3600)).await?;
             match op_outcome(&op) {
                 Ok(()) => {
                     eprintln!("{}", op.progress.unwrap_or_default());
@@ -637,12 +535,12 @@ async fn template_cmd(c: &Client, cmd: TemplateCmd) -> anyhow::Result<i32> {
             }
         }
         TemplateCmd::Ls => {
-            let list: TemplateList = c.send(c.req(M::GET, "/v1/templates")).await?;
+            let templates = c.templates().await?;
             println!(
                 "{:<20} {:<8} {:<8} {:<10} {:<21} BASE",
                 "NAME", "VERSION", "BUILTIN", "SIZE", "CREATED"
             );
-            for t in list.templates {
+            for t in templates {
                 println!(
                     "{:<20} {:<8} {:<8} {:<10} {:<21} {}",
                     t.name,
@@ -658,19 +556,7 @@ async fn template_cmd(c: &Client, cmd: TemplateCmd) -> anyhow::Result<i32> {
             Ok(0)
         }
         TemplateCmd::Rm { name } => {
-            let resp = c
-                .req(M::DELETE, &format!("/v1/templates/{name}"))
-                .send()
-                .await
-                .with_context(|| format!("cannot reach the space server at {}", c.base))?;
-            let status = resp.status();
-            if !status.is_success() {
-                let bytes = resp.bytes().await?;
-                match serde_json::from_slice::<ErrorBody>(&bytes) {
-                    Ok(e) => bail!("{} ({}): {}", status, e.error.code, e.error.message),
-                    Err(_) => bail!("{}: {}", status, String::from_utf8_lossy(&bytes)),
-                }
-            }
+            c.delete_template(&name).await?;
             eprintln!("deleted {name}");
             Ok(0)
         }

@@ -11,10 +11,9 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
 use futures::StreamExt;
-use serde::Deserialize;
+use space_api::FileType;
+use space_client::{Client, UploadOptions};
 use tokio::io::AsyncWriteExt;
-
-use crate::cli::Client;
 
 /// `SANDBOX:PATH`, or a local path.
 enum Place {
@@ -29,42 +28,6 @@ fn place(s: &str) -> Place {
             path: path.to_string(),
         },
         _ => Place::Local(PathBuf::from(s)),
-    }
-}
-
-fn query_path(p: &str) -> String {
-    serde_urlencoded::to_string([("path", p)]).unwrap_or_default()
-}
-
-#[derive(Debug, Deserialize)]
-struct FileInfo {
-    path: String,
-    #[serde(rename = "type")]
-    kind: String,
-    size: u64,
-    mode: u32,
-    uid: u32,
-    gid: u32,
-    #[serde(default)]
-    link_target: Option<String>,
-}
-
-#[derive(Debug, Deserialize)]
-struct Listing {
-    entries: Vec<FileInfo>,
-    #[serde(default)]
-    truncated: bool,
-}
-
-async fn check(resp: reqwest::Response) -> anyhow::Result<reqwest::Response> {
-    let status = resp.status();
-    if status.is_success() {
-        return Ok(resp);
-    }
-    let bytes = resp.bytes().await.unwrap_or_default();
-    match serde_json::from_slice::<space_api::ErrorBody>(&bytes) {
-        Ok(e) => bail!("{} ({}): {}", status, e.error.code, e.error.message),
-        Err(_) => bail!("{}: {}", status, String::from_utf8_lossy(&bytes)),
     }
 }
 
@@ -88,21 +51,18 @@ pub async fn cp(src: &str, dst: &str) -> anyhow::Result<i32> {
 
 async fn upload(c: &Client, local: &Path, id: &str, path: &str) -> anyhow::Result<()> {
     let meta = std::fs::metadata(local).with_context(|| format!("reading {}", local.display()))?;
-    let url = format!("/v1/sandboxes/{id}/files?{}", query_path(path));
     if meta.is_file() {
         let mode = meta.permissions().mode() & 0o7777;
         let file = tokio::fs::File::open(local)
             .await
             .with_context(|| format!("opening {}", local.display()))?;
         let body = reqwest::Body::wrap_stream(tokio_util::io::ReaderStream::new(file));
-        let resp = c
-            .req(reqwest::Method::PUT, &format!("{url}&mode={mode:04o}"))
-            .header(reqwest::header::CONTENT_LENGTH, meta.len())
-            .body(body)
-            .send()
-            .await
-            .context("cannot reach the space server")?;
-        check(resp).await?;
+        let opts = UploadOptions {
+            mode: Some(mode),
+            content_length: Some(meta.len()),
+            ..Default::default()
+        };
+        c.upload_file(id, path, body, &opts).await?;
         eprintln!("{} → {id}:{path} ({} bytes)", local.display(), meta.len());
         return Ok(());
     }
@@ -123,20 +83,15 @@ async fn upload(c: &Client, local: &Path, id: &str, path: &str) -> anyhow::Resul
         result.with_context(|| format!("packing {}", dir.display()))
     });
     let body = reqwest::Body::wrap_stream(tokio_stream::wrappers::ReceiverStream::new(rx));
-    let resp = c
-        .req(reqwest::Method::PUT, &format!("{url}&format=tar"))
-        .body(body)
-        .send()
-        .await
-        .context("cannot reach the space server")?;
-    let resp = check(resp).await;
+    let stats = c.upload_tar(id, path, body, false).await;
+    // A failed pack is the cause of whatever the server then said.
     writer.await??;
-    let v: serde_json::Value = resp?.json().await.unwrap_or_default();
+    let stats = stats?;
     eprintln!(
         "{} → {id}:{path} ({} entries, {} bytes)",
         local.display(),
-        v["entries"],
-        v["bytes"]
+        stats.entries,
+        stats.bytes
     );
     Ok(())
 }
@@ -157,21 +112,9 @@ impl std::io::Write for ChannelWriter {
 }
 
 async fn download(c: &Client, id: &str, path: &str, local: &Path) -> anyhow::Result<()> {
-    let info: FileInfo = c
-        .send(c.req(
-            reqwest::Method::GET,
-            &format!("/v1/sandboxes/{id}/files/stat?{}", query_path(path)),
-        ))
-        .await?;
-    let url = format!("/v1/sandboxes/{id}/files?{}", query_path(path));
-    if info.kind == "dir" {
-        let resp = check(
-            c.req(reqwest::Method::GET, &format!("{url}&format=tar"))
-                .send()
-                .await
-                .context("cannot reach the space server")?,
-        )
-        .await?;
+    let info = c.stat_file(id, path).await?;
+    if info.kind == FileType::Dir {
+        let mut stream = c.download_tar(id, path, false).await?;
         std::fs::create_dir_all(local).with_context(|| format!("creating {}", local.display()))?;
         let (tx, rx) = tokio::sync::mpsc::channel::<std::io::Result<Vec<u8>>>(8);
         let dst = local.to_path_buf();
@@ -193,11 +136,10 @@ async fn download(c: &Client, id: &str, path: &str, local: &Path) -> anyhow::Res
             }
             Ok(n)
         });
-        let mut stream = resp.bytes_stream();
         while let Some(chunk) = stream.next().await {
             let item = chunk
                 .map(|c| c.to_vec())
-                .map_err(|e| std::io::Error::other(format!("reading the download: {e}")));
+                .map_err(|e| std::io::Error::other(format!("reading the download: {}", chain(&e))));
             let failed = item.is_err();
             if tx.send(item).await.is_err() || failed {
                 break;
@@ -208,7 +150,7 @@ async fn download(c: &Client, id: &str, path: &str, local: &Path) -> anyhow::Res
         eprintln!("{id}:{path} → {} ({n} entries)", local.display());
         return Ok(());
     }
-    if info.kind != "file" {
+    if info.kind != FileType::File {
         bail!("{path} is a {}, not a file or directory", info.kind);
     }
     let target = if local.is_dir() {
@@ -219,18 +161,11 @@ async fn download(c: &Client, id: &str, path: &str, local: &Path) -> anyhow::Res
     } else {
         local.to_path_buf()
     };
-    let resp = check(
-        c.req(reqwest::Method::GET, &url)
-            .send()
-            .await
-            .context("cannot reach the space server")?,
-    )
-    .await?;
+    let mut stream = c.download_file(id, path).await?.body;
     let tmp = target.with_extension("space-partial");
     let mut file = tokio::fs::File::create(&tmp)
         .await
         .with_context(|| format!("creating {}", tmp.display()))?;
-    let mut stream = resp.bytes_stream();
     let mut n = 0u64;
     while let Some(chunk) = stream.next().await {
         let chunk = chunk.context("reading the download")?;
@@ -250,6 +185,17 @@ async fn download(c: &Client, id: &str, path: &str, local: &Path) -> anyhow::Res
     std::fs::rename(&tmp, &target)?;
     eprintln!("{id}:{path} → {} ({n} bytes)", target.display());
     Ok(())
+}
+
+/// An error and its causes on one line, as `space: …` prints them.
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        s.push_str(&format!(": {c}"));
+        cause = c.source();
+    }
+    s
 }
 
 /// A blocking reader of what an async task hands over in chunks; an error chunk
@@ -294,21 +240,13 @@ pub async fn ls(target: &str, depth: u32) -> anyhow::Result<i32> {
         bail!("usage: space ls SANDBOX:/PATH");
     };
     let c = Client::from_env()?;
-    let list: Listing = c
-        .send(c.req(
-            reqwest::Method::GET,
-            &format!(
-                "/v1/sandboxes/{id}/files/list?{}&depth={depth}",
-                query_path(&path)
-            ),
-        ))
-        .await?;
+    let list = c.list_files(&id, &path, Some(depth)).await?;
     for e in &list.entries {
-        let kind = match e.kind.as_str() {
-            "dir" => 'd',
-            "symlink" => 'l',
-            "file" => '-',
-            _ => '?',
+        let kind = match e.kind {
+            FileType::Dir => 'd',
+            FileType::Symlink => 'l',
+            FileType::File => '-',
+            FileType::Other => '?',
         };
         let link = e
             .link_target

@@ -8,9 +8,9 @@ use std::io::Write;
 use anyhow::{bail, Context};
 use futures::{SinkExt, StreamExt};
 use serde_json::{json, Value};
-use space_api::{Command, CreateCommandRequest, ErrorBody, PtySize};
+use space_api::{CreateCommandRequest, PtySize};
+use space_client::Client;
 use tokio::io::AsyncReadExt;
-use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 use tokio_tungstenite::tungstenite::Message;
 
 /// Puts a terminal in raw mode and restores it when dropped.
@@ -65,9 +65,7 @@ fn window_size(fd: i32) -> Option<PtySize> {
 }
 
 pub async fn exec_attached(
-    base: &str,
-    token: &str,
-    http: &reqwest::Client,
+    c: &Client,
     sandbox: &str,
     mut req: CreateCommandRequest,
     tty: bool,
@@ -81,32 +79,9 @@ pub async fn exec_attached(
             .entry("TERM".into())
             .or_insert(term);
     }
-    let resp = http
-        .post(format!("{base}/v1/sandboxes/{sandbox}/commands"))
-        .bearer_auth(token)
-        .json(&req)
-        .send()
-        .await
-        .with_context(|| format!("cannot reach the space server at {base}"))?;
-    let status = resp.status();
-    let bytes = resp.bytes().await?;
-    if !status.is_success() {
-        match serde_json::from_slice::<ErrorBody>(&bytes) {
-            Ok(e) => bail!("{} ({}): {}", status, e.error.code, e.error.message),
-            Err(_) => bail!("{}: {}", status, String::from_utf8_lossy(&bytes)),
-        }
-    }
-    let cmd: Command = serde_json::from_slice(&bytes)?;
-    let url = format!(
-        "{}/v1/sandboxes/{sandbox}/commands/{}/attach",
-        base.replacen("http", "ws", 1),
-        cmd.id
-    );
-    let mut wsreq = url.into_client_request()?;
-    wsreq
-        .headers_mut()
-        .insert("authorization", format!("Bearer {token}").parse()?);
-    let (ws, _) = tokio_tungstenite::connect_async(wsreq)
+    let cmd = c.create_command(sandbox, &req).await?;
+    let ws = c
+        .attach(&cmd.sandbox_id, &cmd.id, None)
         .await
         .context("attaching to the command")?;
     let (mut sink, mut source) = ws.split();
@@ -173,7 +148,7 @@ fn exit_code(end: &Value) -> i32 {
         return c as i32;
     }
     if let Some(s) = r["signal"].as_i64() {
-        return 128 + s as i32;
+        return 128i32.saturating_add(i32::try_from(s).unwrap_or(i32::MAX));
     }
     eprintln!(
         "space: command ended {}: {}",

@@ -1,8 +1,9 @@
 //! What the benches share. Raw `runsc` containers: the same OCI bundle our
 //! server wrote, the same global flags as `space-runtime`'s gVisor driver, but
-//! no server. Also the bench setup and teardown around our server, the
-//! statistics and the table printing. Included by `#[path]` from each bench,
-//! next to `mod common` (`../tests/common/mod.rs`).
+//! no server. Also the bench setup and teardown around our server (started by
+//! the test harness, asked everything through `space-client`), the statistics
+//! and the table printing. Included by `#[path]` from each bench, next to
+//! `mod common` (`../tests/common/mod.rs`).
 #![allow(dead_code)]
 
 use std::ffi::OsString;
@@ -12,8 +13,13 @@ use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
+use space_api::{CreateSandboxRequest, SandboxState};
+use space_client::Client;
 
 use crate::common::{self, TestServer};
+
+/// Longest a create or destroy of ours may take before the bench gives up.
+pub const OUR_OP_LIMIT: Duration = Duration::from_secs(600);
 
 /// cgroup parent of the raw containers (ours use `space`).
 pub const RAW_CGROUP_PARENT: &str = "space-bench";
@@ -538,6 +544,48 @@ pub fn bench_start() -> (tokio::runtime::Runtime, String) {
     (rt, facts)
 }
 
+/// A client of the bench's server: its own connections, the harness's token, and
+/// the harness's per-request deadline.
+pub fn client_of(server: &TestServer) -> Client {
+    Client::builder(&server.url, common::TOKEN)
+        .timeout(Duration::from_secs(600))
+        .build()
+        .expect("a client of the bench's server")
+}
+
+/// Creates one of our sandboxes and waits until it runs: its id.
+pub async fn create_ours(c: &Client, req: &CreateSandboxRequest) -> String {
+    c.create_sandbox_and_wait(req, OUR_OP_LIMIT)
+        .await
+        .unwrap_or_else(|e| panic!("creating {req:?}: {e}"))
+}
+
+/// A busybox sandbox of ours on the default runtime (gVisor: what the raw side runs).
+pub async fn create_busybox(c: &Client) -> String {
+    let req = CreateSandboxRequest {
+        template: "busybox".into(),
+        ..Default::default()
+    };
+    create_ours(c, &req).await
+}
+
+/// Destroys one of our sandboxes, waits, and checks that nothing of it is left.
+pub async fn destroy_ours(c: &Client, server: &TestServer, sb: &str) {
+    c.destroy_sandbox_and_wait(sb, OUR_OP_LIMIT)
+        .await
+        .unwrap_or_else(|e| panic!("destroying {sb}: {e}"));
+    let state = c.sandbox(sb).await.expect("the destroyed sandbox").state;
+    assert_eq!(state, SandboxState::Destroyed, "{sb}");
+    server.assert_nothing_left(sb);
+}
+
+/// `sh -c script` in our sandbox with `wait:true` (its exit code unchecked).
+pub async fn sh(c: &Client, sb: &str, script: &str) -> space_api::Command {
+    c.run(sb, &["/bin/sh", "-c", script])
+        .await
+        .unwrap_or_else(|e| panic!("sh -c {script:?} in {sb}: {e}"))
+}
+
 /// The OCI bundle dir of our sandbox `ours`.
 pub fn our_bundle(server: &TestServer, ours: &str) -> PathBuf {
     server
@@ -571,11 +619,12 @@ pub struct Leftovers {
 pub fn teardown(
     rt: &tokio::runtime::Runtime,
     server: TestServer,
+    c: &Client,
     ours: &str,
     raw: Raw,
     rid: &str,
 ) -> Leftovers {
-    rt.block_on(server.destroy(ours));
+    rt.block_on(destroy_ours(c, &server, ours));
     raw.delete(rid);
     let server_root = server.runsc_root();
     let raw_root = raw.root.clone();
@@ -598,16 +647,17 @@ pub fn assert_nothing_left(left: &Leftovers, rid: &str) {
 }
 
 /// Our sandbox still runs commands: `echo ok` through the API.
-pub async fn check_ours(s: &TestServer, sb: &str) {
-    let (status, cmd) = s
-        .post(
-            &format!("/v1/sandboxes/{sb}/commands"),
-            json!({ "argv": ["echo", "ok"], "wait": true }),
-        )
-        .await;
-    assert_eq!(status, 201, "{cmd}");
-    assert_eq!(cmd["result"]["exit_code"], 0, "{cmd}");
-    assert_eq!(cmd["stdout"], "ok\n", "{cmd}");
+pub async fn check_ours(c: &Client, sb: &str) {
+    let cmd = c
+        .run(sb, &["echo", "ok"])
+        .await
+        .unwrap_or_else(|e| panic!("echo ok in {sb}: {e}"));
+    assert_eq!(
+        cmd.result.as_ref().and_then(|r| r.exit_code),
+        Some(0),
+        "{cmd:?}"
+    );
+    assert_eq!(cmd.stdout.as_deref(), Some("ok\n"), "{cmd:?}");
 }
 
 /// The raw container still runs commands: `runsc exec echo ok`.
