@@ -81,7 +81,9 @@ impl Config {
         // Kept once, in `Config` (every reconnect presents it); no other copy lingers.
         raw.fill(0);
         std::hint::black_box(&raw);
-        // The token is only for us: nothing the sandbox runs should read it.
+        // The token is only for us: nothing the sandbox runs should read it. Under gVisor
+        // this fails (the run directory is a read-only bind) and the host deletes the file
+        // once it accepts our hello; in a microVM the directory is the guest's own tmpfs.
         let _ = std::fs::remove_file(&token_file);
         if token.is_empty() {
             return Err(format!("token file {token_file} is empty"));

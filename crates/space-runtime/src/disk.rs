@@ -99,6 +99,21 @@ pub async fn unmount_below(dir: &Path) -> Result<(), RuntimeError> {
     Ok(())
 }
 
+/// Fails when anything is still mounted at or below `dir` (before removing it).
+pub fn ensure_nothing_mounted_below(dir: &Path) -> Result<(), RuntimeError> {
+    let left: Vec<PathBuf> = mount_points()
+        .into_iter()
+        .filter(|p| p.starts_with(dir))
+        .collect();
+    if left.is_empty() {
+        return Ok(());
+    }
+    Err(RuntimeError::Tool {
+        tool: "umount".into(),
+        message: format!("still mounted below {}: {left:?}", dir.display()),
+    })
+}
+
 /// Bytes in use on the filesystem mounted at `mount_point` (none when it is not a mount).
 pub fn used_bytes(mount_point: &Path) -> Option<u64> {
     if !is_mounted(mount_point) {

@@ -4,6 +4,7 @@ pub mod build;
 pub mod disk;
 pub mod guest;
 pub mod gvisor;
+pub mod lend;
 pub mod microvm;
 pub mod net;
 pub mod template;

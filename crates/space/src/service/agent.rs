@@ -2,6 +2,13 @@
 //! agent dials, the handshake that authenticates it, and an HTTP/2 client on
 //! the accepted connection. Everything read from the agent is hostile: lines
 //! and bodies are bounded, and a protocol violation drops the connection.
+//!
+//! Anything inside a gVisor sandbox can connect to its socket, so what a sandbox can make
+//! the server hold is bounded: one agent connection at a time (an authenticated newcomer,
+//! which only the agent can be, since the token lives in its memory alone, replaces the
+//! old one: a reconnecting agent always gets in), and at most [`MAX_HANDSHAKES`]
+//! connections that have not said hello yet, each closed after [`HANDSHAKE_TIMEOUT`] or
+//! when a newer one needs its place.
 
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -20,6 +27,7 @@ use space_agent::protocol::{self, ErrorBody, Hello, HelloReply};
 use tokio::io::AsyncWriteExt;
 use tokio::net::UnixListener;
 use tokio::sync::{mpsc, watch};
+use tokio::task::{AbortHandle, JoinSet};
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::StreamExt;
 
@@ -34,6 +42,14 @@ static GENERATION: AtomicU64 = AtomicU64::new(0);
 
 /// How long a freshly accepted connection may take to say hello.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Connections of one sandbox in their handshake at once. The agent needs one; more only
+/// come from something else in the sandbox. The oldest makes room for a new one: the agent
+/// sends its hello as it connects, so its handshake ends as soon as it is accepted, and a
+/// flood of silent connections only makes it dial again.
+const MAX_HANDSHAKES: usize = 4;
+/// The token's file in the run directory: the host deletes it once the agent's hello is
+/// accepted (the agent cannot: the run directory is a read-only bind in its sandbox).
+const TOKEN_FILE: &str = "token";
 /// HTTP/2 flow-control windows and largest frame the host accepts from the agent.
 const H2_STREAM_WINDOW: u32 = 4 << 20;
 const H2_CONNECTION_WINDOW: u32 = 16 << 20;
@@ -166,7 +182,9 @@ impl AgentConn {
 }
 
 /// Accepts the agent's connections on `socket` for as long as the returned
-/// task runs, publishing the current connection on `conn`.
+/// task runs, publishing the current connection on `conn`. Handshakes in progress end
+/// with the task; an established connection outlives it (a listener is replaced while
+/// the agent stays connected).
 pub fn listen(
     sandbox_id: String,
     token: String,
@@ -182,18 +200,37 @@ pub fn listen(
         let _ = std::fs::remove_file(&tmp);
         return Err(e);
     }
+    let token_file = socket.with_file_name(TOKEN_FILE);
     Ok(tokio::spawn(async move {
+        let mut handshakes = JoinSet::new();
+        let mut oldest_first: std::collections::VecDeque<AbortHandle> = Default::default();
         loop {
-            let (stream, _) = match listener.accept().await {
-                Ok(s) => s,
+            let accepted = tokio::select! {
+                a = listener.accept() => a,
+                Some(_) = handshakes.join_next(), if !handshakes.is_empty() => continue,
+            };
+            let stream = match accepted {
+                Ok((s, _)) => s,
                 Err(e) => {
                     tracing::warn!(sandbox = %sandbox_id, error = %e, "accepting an agent connection failed");
                     tokio::time::sleep(Duration::from_millis(100)).await;
                     continue;
                 }
             };
-            let (sandbox_id, token, conn) = (sandbox_id.clone(), token.clone(), conn.clone());
-            tokio::spawn(async move {
+            oldest_first.retain(|h| !h.is_finished());
+            if oldest_first.len() >= MAX_HANDSHAKES {
+                if let Some(oldest) = oldest_first.pop_front() {
+                    oldest.abort();
+                    tracing::warn!(sandbox = %sandbox_id, "too many agent connections without a hello; closing the oldest");
+                }
+            }
+            let (sandbox_id, token, conn, token_file) = (
+                sandbox_id.clone(),
+                token.clone(),
+                conn.clone(),
+                token_file.clone(),
+            );
+            let handle = handshakes.spawn(async move {
                 match tokio::time::timeout(
                     HANDSHAKE_TIMEOUT,
                     handshake(stream, &sandbox_id, &token),
@@ -201,8 +238,17 @@ pub fn listen(
                 .await
                 {
                     Ok(Ok(stream)) => {
+                        // The agent has read it and keeps it in memory; nothing else may.
+                        if let Err(e) = std::fs::remove_file(&token_file) {
+                            if e.kind() != std::io::ErrorKind::NotFound {
+                                tracing::warn!(sandbox = %sandbox_id, error = %e, "cannot delete the agent's token file");
+                            }
+                        }
                         let gen = GENERATION.fetch_add(1, Ordering::SeqCst) + 1;
-                        serve_connection(stream, &sandbox_id, gen, conn).await;
+                        // Not a task of this listener: the connection outlives it.
+                        tokio::spawn(async move {
+                            serve_connection(stream, &sandbox_id, gen, conn).await;
+                        });
                     }
                     Ok(Err(reason)) => {
                         tracing::warn!(sandbox = %sandbox_id, %reason, "agent handshake refused");
@@ -212,6 +258,7 @@ pub fn listen(
                     }
                 }
             });
+            oldest_first.push_back(handle);
         }
     }))
 }
@@ -277,11 +324,16 @@ async fn serve_connection(
     };
     tracing::info!(sandbox = %sandbox_id, generation, "agent connected");
     let close = tokio_util::sync::CancellationToken::new();
-    conn.send_replace(Some(AgentConn {
+    // One connection at a time: the agent dialled again, so the old one is dead to it.
+    let old = conn.send_replace(Some(AgentConn {
         sender,
         generation,
         close: close.clone(),
     }));
+    if let Some(old) = old {
+        tracing::info!(sandbox = %sandbox_id, generation = old.generation, "closing the agent's previous connection");
+        old.close();
+    }
     tokio::select! {
         r = connection => match r {
             Err(e) => tracing::info!(sandbox = %sandbox_id, generation, error = %e, "agent connection ended"),
