@@ -15,6 +15,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
+use futures::future::{AbortHandle, Abortable};
+use futures::stream::FuturesUnordered;
 use http::{Method, Request, StatusCode};
 use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, Full, Limited, StreamBody};
@@ -24,10 +26,10 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use space_agent::protocol::{self, ErrorBody, Hello, HelloReply};
+use std::collections::VecDeque;
 use tokio::io::AsyncWriteExt;
 use tokio::net::UnixListener;
 use tokio::sync::{mpsc, watch};
-use tokio::task::{AbortHandle, JoinSet};
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::StreamExt;
 
@@ -202,65 +204,84 @@ pub fn listen(
     }
     let token_file = socket.with_file_name(TOKEN_FILE);
     Ok(tokio::spawn(async move {
-        let mut handshakes = JoinSet::new();
-        let mut oldest_first: std::collections::VecDeque<AbortHandle> = Default::default();
+        // The handshakes run inside this task, so that a connection it drops is closed at
+        // once, before the next one is accepted: the bound holds at every moment.
+        let mut handshakes = FuturesUnordered::new();
+        let mut oldest_first: VecDeque<(u64, AbortHandle)> = VecDeque::new();
+        let mut next = 0u64;
         loop {
-            let accepted = tokio::select! {
-                a = listener.accept() => a,
-                Some(_) = handshakes.join_next(), if !handshakes.is_empty() => continue,
-            };
-            let stream = match accepted {
-                Ok((s, _)) => s,
-                Err(e) => {
-                    tracing::warn!(sandbox = %sandbox_id, error = %e, "accepting an agent connection failed");
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                    continue;
+            tokio::select! {
+                biased;
+                Some(done) = handshakes.next(), if !handshakes.is_empty() => {
+                    // Err: dropped for a newer connection (its socket is closed now).
+                    if let Ok((n, stream)) = done {
+                        oldest_first.retain(|(i, _)| *i != n);
+                        if let Some(stream) = stream {
+                            accepted_agent(stream, &sandbox_id, &token_file, &conn);
+                        }
+                    }
                 }
-            };
-            oldest_first.retain(|h| !h.is_finished());
-            if oldest_first.len() >= MAX_HANDSHAKES {
-                if let Some(oldest) = oldest_first.pop_front() {
-                    oldest.abort();
-                    tracing::warn!(sandbox = %sandbox_id, "too many agent connections without a hello; closing the oldest");
+                accepted = listener.accept() => {
+                    let stream = match accepted {
+                        Ok((s, _)) => s,
+                        Err(e) => {
+                            tracing::warn!(sandbox = %sandbox_id, error = %e, "accepting an agent connection failed");
+                            tokio::time::sleep(Duration::from_millis(100)).await;
+                            continue;
+                        }
+                    };
+                    if oldest_first.len() >= MAX_HANDSHAKES {
+                        if let Some((_, oldest)) = oldest_first.pop_front() {
+                            oldest.abort();
+                            tracing::warn!(sandbox = %sandbox_id, "too many agent connections without a hello; closing the oldest");
+                        }
+                    }
+                    let (handle, registration) = AbortHandle::new_pair();
+                    next += 1;
+                    oldest_first.push_back((next, handle));
+                    let (n, id, token) = (next, sandbox_id.clone(), token.clone());
+                    handshakes.push(Abortable::new(
+                        async move {
+                            let outcome =
+                                tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake(stream, &id, &token))
+                                    .await;
+                            match outcome {
+                                Ok(Ok(stream)) => (n, Some(stream)),
+                                Ok(Err(reason)) => {
+                                    tracing::warn!(sandbox = %id, %reason, "agent handshake refused");
+                                    (n, None)
+                                }
+                                Err(_) => {
+                                    tracing::warn!(sandbox = %id, "agent handshake timed out");
+                                    (n, None)
+                                }
+                            }
+                        },
+                        registration,
+                    ));
                 }
             }
-            let (sandbox_id, token, conn, token_file) = (
-                sandbox_id.clone(),
-                token.clone(),
-                conn.clone(),
-                token_file.clone(),
-            );
-            let handle = handshakes.spawn(async move {
-                match tokio::time::timeout(
-                    HANDSHAKE_TIMEOUT,
-                    handshake(stream, &sandbox_id, &token),
-                )
-                .await
-                {
-                    Ok(Ok(stream)) => {
-                        // The agent has read it and keeps it in memory; nothing else may.
-                        if let Err(e) = std::fs::remove_file(&token_file) {
-                            if e.kind() != std::io::ErrorKind::NotFound {
-                                tracing::warn!(sandbox = %sandbox_id, error = %e, "cannot delete the agent's token file");
-                            }
-                        }
-                        let gen = GENERATION.fetch_add(1, Ordering::SeqCst) + 1;
-                        // Not a task of this listener: the connection outlives it.
-                        tokio::spawn(async move {
-                            serve_connection(stream, &sandbox_id, gen, conn).await;
-                        });
-                    }
-                    Ok(Err(reason)) => {
-                        tracing::warn!(sandbox = %sandbox_id, %reason, "agent handshake refused");
-                    }
-                    Err(_) => {
-                        tracing::warn!(sandbox = %sandbox_id, "agent handshake timed out");
-                    }
-                }
-            });
-            oldest_first.push_back(handle);
         }
     }))
+}
+
+/// An agent that said hello: its token file goes, and its connection is served.
+fn accepted_agent(
+    stream: tokio::net::UnixStream,
+    sandbox_id: &str,
+    token_file: &Path,
+    conn: &watch::Sender<Option<AgentConn>>,
+) {
+    // The agent has read it and keeps it in memory; nothing else may.
+    if let Err(e) = std::fs::remove_file(token_file) {
+        if e.kind() != std::io::ErrorKind::NotFound {
+            tracing::warn!(sandbox = %sandbox_id, error = %e, "cannot delete the agent's token file");
+        }
+    }
+    let gen = GENERATION.fetch_add(1, Ordering::SeqCst) + 1;
+    let (id, conn) = (sandbox_id.to_owned(), conn.clone());
+    // A task of its own: the connection outlives the listener.
+    tokio::spawn(async move { serve_connection(stream, &id, gen, conn).await });
 }
 
 async fn handshake(
