@@ -88,6 +88,7 @@ pub async fn unmount(mount_point: &Path) -> Result<(), RuntimeError> {
 
 /// Unmounts every mount at or below `dir`, deepest first.
 pub async fn unmount_below(dir: &Path) -> Result<(), RuntimeError> {
+    let dir = &canonical(dir);
     let mut points: Vec<PathBuf> = mount_points()
         .into_iter()
         .filter(|p| p.starts_with(dir))
@@ -101,6 +102,7 @@ pub async fn unmount_below(dir: &Path) -> Result<(), RuntimeError> {
 
 /// Fails when anything is still mounted at or below `dir` (before removing it).
 pub fn ensure_nothing_mounted_below(dir: &Path) -> Result<(), RuntimeError> {
+    let dir = &canonical(dir);
     let left: Vec<PathBuf> = mount_points()
         .into_iter()
         .filter(|p| p.starts_with(dir))
@@ -137,7 +139,14 @@ pub fn image_bytes(image: &Path) -> Option<u64> {
 
 /// Whether `path` is a mount point of this mount namespace.
 pub fn is_mounted(path: &Path) -> bool {
-    mount_points().iter().any(|p| p == path)
+    let path = canonical(path);
+    mount_points().contains(&path)
+}
+
+/// `path` as the mount table names it: mountinfo has absolute paths without symlinks, and
+/// a data directory given as `./data` or through a symlink must still find its mounts.
+fn canonical(path: &Path) -> PathBuf {
+    std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf())
 }
 
 /// Every mount point, from /proc/self/mountinfo (octal escapes decoded).

@@ -308,6 +308,7 @@ mod tests {
             let e = std::fs::OpenOptions::new()
                 .write(true)
                 .create(true)
+                .truncate(false)
                 .open(&p)
                 .unwrap_err();
             assert_eq!(e.raw_os_error(), Some(libc::EROFS), "{}", p.display());

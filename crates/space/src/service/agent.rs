@@ -10,6 +10,7 @@
 //! connections that have not said hello yet, each closed after [`HANDSHAKE_TIMEOUT`] or
 //! when a newer one needs its place.
 
+use std::collections::VecDeque;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -26,7 +27,6 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use space_agent::protocol::{self, ErrorBody, Hello, HelloReply};
-use std::collections::VecDeque;
 use tokio::io::AsyncWriteExt;
 use tokio::net::UnixListener;
 use tokio::sync::{mpsc, watch};
