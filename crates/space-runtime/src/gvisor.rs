@@ -9,7 +9,7 @@
 //! until the host deletes it) and the template's root (under the overlay). `--host-uds=open`
 //! lets the agent dial the host's socket through the read-only bind (connect(2) is not a
 //! write). The agent's stdout and stderr (`console.log`) go to the sandbox's small log tmpfs.
-//! The audit of every mount and flag is in docs/SECURITY.md ("What a gVisor sandbox is lent").
+//! The audit of every mount and flag is in docs/SECURITY.md ("What the host lends a sandbox").
 //!
 //! An egress sandbox (`SandboxSpec::network`) runs with `--network=sandbox` in the
 //! network namespace [`crate::net`] made for it; runsc copies the link into gVisor's

@@ -209,15 +209,24 @@ pub fn listen(
         let mut handshakes = FuturesUnordered::new();
         let mut oldest_first: VecDeque<(u64, AbortHandle)> = VecDeque::new();
         let mut next = 0u64;
+        // Connections without a hello are the sandbox's doing: their log lines are
+        // rate-limited (the 1st, 2nd, 4th, 8th, ...).
+        let mut failed = 0u64;
         loop {
             tokio::select! {
                 biased;
                 Some(done) = handshakes.next(), if !handshakes.is_empty() => {
                     // Err: dropped for a newer connection (its socket is closed now).
-                    if let Ok((n, stream)) = done {
+                    if let Ok((n, outcome)) = done {
                         oldest_first.retain(|(i, _)| *i != n);
-                        if let Some(stream) = stream {
-                            accepted_agent(stream, &sandbox_id, &token_file, &conn);
+                        match outcome {
+                            Ok(stream) => accepted_agent(stream, &sandbox_id, &token_file, &conn),
+                            Err(reason) => {
+                                failed += 1;
+                                if failed.is_power_of_two() {
+                                    tracing::warn!(sandbox = %sandbox_id, %reason, failed, "agent connection without a valid hello");
+                                }
+                            }
                         }
                     }
                 }
@@ -233,7 +242,10 @@ pub fn listen(
                     if oldest_first.len() >= MAX_HANDSHAKES {
                         if let Some((_, oldest)) = oldest_first.pop_front() {
                             oldest.abort();
-                            tracing::warn!(sandbox = %sandbox_id, "too many agent connections without a hello; closing the oldest");
+                            failed += 1;
+                            if failed.is_power_of_two() {
+                                tracing::warn!(sandbox = %sandbox_id, failed, "too many agent connections without a hello; closing the oldest");
+                            }
                         }
                     }
                     let (handle, registration) = AbortHandle::new_pair();
@@ -244,18 +256,9 @@ pub fn listen(
                         async move {
                             let outcome =
                                 tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake(stream, &id, &token))
-                                    .await;
-                            match outcome {
-                                Ok(Ok(stream)) => (n, Some(stream)),
-                                Ok(Err(reason)) => {
-                                    tracing::warn!(sandbox = %id, %reason, "agent handshake refused");
-                                    (n, None)
-                                }
-                                Err(_) => {
-                                    tracing::warn!(sandbox = %id, "agent handshake timed out");
-                                    (n, None)
-                                }
-                            }
+                                    .await
+                                    .unwrap_or_else(|_| Err("the handshake timed out".to_string()));
+                            (n, outcome)
                         },
                         registration,
                     ));
