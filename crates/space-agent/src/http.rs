@@ -421,7 +421,7 @@ async fn read_host_frames(
                 Ok(Some(f)) => f,
                 Ok(None) => break,
                 Err(e) => {
-                    eprintln!("space-agent: closing attach of {}: {e}", cmd.id);
+                    note!("space-agent: closing attach of {}: {e}", cmd.id);
                     cancel.cancel();
                     return;
                 }
@@ -458,7 +458,7 @@ async fn read_host_frames(
                     agent.forget(&cmd);
                 }
                 Frame::Stdout { .. } | Frame::Stderr { .. } | Frame::Exit(_) => {
-                    eprintln!(
+                    note!(
                         "space-agent: closing attach of {}: agent-only frame",
                         cmd.id
                     );

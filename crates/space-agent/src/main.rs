@@ -6,6 +6,16 @@
 //! When the connection ends it dials again; commands and their unacknowledged
 //! output live in [`http::Agent`] and survive reconnects.
 
+/// A line on the agent's stderr, the sandbox's console. Unlike `eprintln!`, a failed write
+/// is ignored rather than a panic: the console is a small bounded file that anything in
+/// the sandbox can fill (`/proc/1/fd/2`), and a full console must not end the agent.
+macro_rules! note {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}
+
 mod cgroup;
 mod command;
 mod files;
@@ -81,7 +91,9 @@ impl Config {
         // Kept once, in `Config` (every reconnect presents it); no other copy lingers.
         raw.fill(0);
         std::hint::black_box(&raw);
-        // The token is only for us: nothing the sandbox runs should read it.
+        // The token is only for us: nothing the sandbox runs should read it. Under gVisor
+        // this fails (the run directory is a read-only bind) and the host deletes the file
+        // once it accepts our hello; in a microVM the directory is the guest's own tmpfs.
         let _ = std::fs::remove_file(&token_file);
         if token.is_empty() {
             return Err(format!("token file {token_file} is empty"));
@@ -109,7 +121,7 @@ async fn main() -> ExitCode {
     // their exec.
     // SAFETY: plain syscall.
     if unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) } != 0 {
-        eprintln!(
+        note!(
             "space-agent: cannot make itself non-dumpable: {}",
             std::io::Error::last_os_error()
         );
@@ -118,7 +130,7 @@ async fn main() -> ExitCode {
     let cfg = match Config::from_env() {
         Ok(c) => c,
         Err(e) => {
-            eprintln!("space-agent: {e}");
+            note!("space-agent: {e}");
             return ExitCode::from(2);
         }
     };
@@ -131,19 +143,19 @@ async fn main() -> ExitCode {
         // Only as a sandbox's init: never touch the cgroups of a host we are tested on.
         cgroup::protect_agent();
         match cgroup::setup(spawn::tasks_limit()) {
-            cgroup::Setup::Confined { pids, memory_bytes } => eprintln!(
+            cgroup::Setup::Confined { pids, memory_bytes } => note!(
                 "space-agent: commands run in their own cgroup (pids.max {pids}, memory.max {})",
                 memory_bytes.map_or("unset".to_string(), |b| format!("{} MiB", b >> 20))
             ),
             cgroup::Setup::Unavailable(why) => {
-                eprintln!("space-agent: no cgroup for commands ({why}); RLIMIT_NPROC only")
+                note!("space-agent: no cgroup for commands ({why}); RLIMIT_NPROC only")
             }
         }
         // After the cgroup, which mounts below /sys. All or nothing per path: under gVisor
         // every mount fails, which is expected there (its /proc/sys and /sys are its own).
         let problems = masks::apply();
         if !problems.is_empty() {
-            eprintln!(
+            note!(
                 "space-agent: kernel knobs left as they are: {}",
                 problems.join("; ")
             );
@@ -154,7 +166,7 @@ async fn main() -> ExitCode {
     let sigchld = match signal(SignalKind::child()) {
         Ok(s) => s,
         Err(e) => {
-            eprintln!("space-agent: cannot handle SIGCHLD: {e}");
+            note!("space-agent: cannot handle SIGCHLD: {e}");
             return ExitCode::from(2);
         }
     };
@@ -216,7 +228,7 @@ where
             Ok(s) => s,
             Err(e) => {
                 if !quiet {
-                    eprintln!("space-agent: cannot connect to {target}: {e}; retrying");
+                    note!("space-agent: cannot connect to {target}: {e}; retrying");
                     quiet = true;
                 }
                 tokio::time::sleep(backoff).await;
@@ -231,11 +243,11 @@ where
                 // The host speaks first (the HTTP/2 preface); one that does not is gone.
                 match tokio::time::timeout(HANDSHAKE_TIMEOUT, stream.host_spoke()).await {
                     Ok(true) => serve(stream, agent.clone()).await,
-                    _ => eprintln!("space-agent: host said nothing after the handshake"),
+                    _ => note!("space-agent: host said nothing after the handshake"),
                 }
             }
             Ok(Ok(reply)) => {
-                eprintln!(
+                note!(
                     "space-agent: host refused the handshake (protocol {}): {}",
                     reply.protocol,
                     reply.error.as_deref().unwrap_or("no reason given")
@@ -243,12 +255,12 @@ where
                 tokio::time::sleep(REFUSED_RETRY).await;
             }
             Ok(Err(e)) => {
-                eprintln!("space-agent: handshake failed: {e}");
+                note!("space-agent: handshake failed: {e}");
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(BACKOFF_MAX);
             }
             Err(_) => {
-                eprintln!("space-agent: handshake timed out");
+                note!("space-agent: handshake timed out");
             }
         }
     }
@@ -327,7 +339,7 @@ async fn serve<S: HostLink>(stream: S, agent: Arc<Agent>) {
     let conn = builder.serve_connection(TokioIo::new(stream), service);
     tokio::select! {
         r = conn => if let Err(e) = r {
-            eprintln!("space-agent: host connection ended: {e}");
+            note!("space-agent: host connection ended: {e}");
         },
         // Dropping the connection closes the socket; commands and their output are kept.
         _ = watcher.quiesce.notified() => {}

@@ -15,9 +15,11 @@ pub struct SandboxSpec {
     pub rootfs: PathBuf,
     /// A directory the runtime owns for this sandbox (bundle, writable layer, logs).
     pub state_dir: PathBuf,
-    /// Host directory bind-mounted read-write at `/.space/run` (agent socket + token).
+    /// Host directory of the agent's socket and token, which the host writes; a sandbox
+    /// sees it at `/.space/run` only through a read-only view (gVisor).
     pub run_dir: PathBuf,
-    /// Host directory holding the `space-agent` binary, mounted read-only at `/.space/bin`.
+    /// Host directory holding the server's `space-agent` binary. Never lent to a sandbox as
+    /// is: gVisor gets a copy of its own (at `/.space/bin`), a microVM one in its initramfs.
     pub agent_dir: PathBuf,
     /// Environment of the agent process itself.
     pub agent_env: Vec<(String, String)>,

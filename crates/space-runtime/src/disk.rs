@@ -88,6 +88,7 @@ pub async fn unmount(mount_point: &Path) -> Result<(), RuntimeError> {
 
 /// Unmounts every mount at or below `dir`, deepest first.
 pub async fn unmount_below(dir: &Path) -> Result<(), RuntimeError> {
+    let dir = &canonical(dir);
     let mut points: Vec<PathBuf> = mount_points()
         .into_iter()
         .filter(|p| p.starts_with(dir))
@@ -101,10 +102,23 @@ pub async fn unmount_below(dir: &Path) -> Result<(), RuntimeError> {
 
 /// Every mount point at or below `dir`.
 pub(crate) fn mounts_below(dir: &Path) -> Vec<PathBuf> {
+    let dir = &canonical(dir);
     mount_points()
         .into_iter()
         .filter(|p| p.starts_with(dir))
         .collect()
+}
+
+/// Fails when anything is still mounted at or below `dir` (before removing it).
+pub fn ensure_nothing_mounted_below(dir: &Path) -> Result<(), RuntimeError> {
+    let left = mounts_below(dir);
+    if left.is_empty() {
+        return Ok(());
+    }
+    Err(RuntimeError::Tool {
+        tool: "umount".into(),
+        message: format!("still mounted below {}: {left:?}", dir.display()),
+    })
 }
 
 /// Bytes in use on the filesystem mounted at `mount_point` (none when it is not a mount).
@@ -130,7 +144,14 @@ pub fn image_bytes(image: &Path) -> Option<u64> {
 
 /// Whether `path` is a mount point of this mount namespace.
 pub fn is_mounted(path: &Path) -> bool {
-    mount_points().iter().any(|p| p == path)
+    let path = canonical(path);
+    mount_points().contains(&path)
+}
+
+/// `path` as the mount table names it: mountinfo has absolute paths without symlinks, and
+/// a data directory given as `./data` or through a symlink must still find its mounts.
+fn canonical(path: &Path) -> PathBuf {
+    std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf())
 }
 
 /// Every mount point, from /proc/self/mountinfo (octal escapes decoded).

@@ -3,9 +3,13 @@
 //! root under a writable overlay whose upper layer lives in the sandbox's own
 //! state directory (the template directory is never written).
 //!
-//! The container's PID 1 is `space-agent`, bind-mounted read-only from the
-//! host; the per-sandbox run directory (agent socket + token) is bind-mounted
-//! read-write, and `--host-uds=open` lets the agent dial the host's socket.
+//! The container's PID 1 is `space-agent`. Every host path runsc gets is a host-side
+//! read-only bind of a path of this sandbox alone ([`crate::lend`]): its own copy of the
+//! agent (`/.space/bin`), its run directory (`/.space/run`: the agent's socket, and its token
+//! until the host deletes it) and the template's root (under the overlay). `--host-uds=open`
+//! lets the agent dial the host's socket through the read-only bind (connect(2) is not a
+//! write). The agent's stdout and stderr (`console.log`) go to the sandbox's small log tmpfs.
+//! The audit of every mount and flag is in docs/SECURITY.md ("What the host lends a sandbox").
 //!
 //! An egress sandbox (`SandboxSpec::network`) runs with `--network=sandbox` in the
 //! network namespace [`crate::net`] made for it; runsc copies the link into gVisor's
@@ -22,6 +26,7 @@ use serde_json::json;
 use space_core::runtime::{Runtime, RuntimeError, RuntimeStatus, SandboxSpec};
 use tokio::process::Command;
 
+use crate::lend::{self, Lent};
 use crate::{disk, net};
 
 /// Where the agent binary's directory is mounted inside the sandbox.
@@ -30,6 +35,8 @@ pub const AGENT_DIR_IN_SANDBOX: &str = "/.space/bin";
 pub const RUN_DIR_IN_SANDBOX: &str = "/.space/run";
 /// cgroup parent of every sandbox.
 const CGROUP_PARENT: &str = "space";
+/// The agent's stdout and stderr, in the sandbox's log directory.
+pub const CONSOLE_LOG: &str = "console.log";
 
 /// The `gvisor` runtime.
 #[derive(Debug, Clone)]
@@ -102,8 +109,8 @@ impl GvisorRuntime {
         }
     }
 
-    /// The OCI runtime spec of a sandbox.
-    fn oci_spec(&self, spec: &SandboxSpec) -> serde_json::Value {
+    /// The OCI runtime spec of a sandbox, whose host paths are the read-only binds of `lent`.
+    fn oci_spec(&self, spec: &SandboxSpec, lent: &Lent) -> serde_json::Value {
         let caps = [
             "CAP_CHOWN",
             "CAP_DAC_OVERRIDE",
@@ -166,7 +173,9 @@ impl GvisorRuntime {
                 "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 1_048_576, "soft": 1_048_576}],
                 "noNewPrivileges": false
             },
-            "root": {"path": spec.rootfs, "readonly": false},
+            // Writable only through the overlay (`--overlay2`), whose upper layer is a file
+            // on the sandbox's quota'd disk; the lower layer is the read-only bind.
+            "root": {"path": lent.root, "readonly": false},
             "hostname": spec.hostname,
             "mounts": [
                 {"destination": "/proc", "type": "proc", "source": "proc"},
@@ -178,10 +187,11 @@ impl GvisorRuntime {
                  "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]},
                 {"destination": "/sys", "type": "sysfs", "source": "sysfs",
                  "options": ["nosuid", "noexec", "nodev", "ro"]},
+                // Read-only here too, but what holds is the host's read-only bind.
                 {"destination": AGENT_DIR_IN_SANDBOX, "type": "bind",
-                 "source": spec.agent_dir, "options": ["rbind", "ro"]},
+                 "source": lent.bin, "options": ["bind", "ro", "nosuid", "nodev"]},
                 {"destination": RUN_DIR_IN_SANDBOX, "type": "bind",
-                 "source": spec.run_dir, "options": ["rbind", "rw"]}
+                 "source": lent.run, "options": ["bind", "ro", "nosuid", "nodev", "noexec"]}
             ],
             "linux": {
                 "namespaces": [
@@ -196,9 +206,11 @@ impl GvisorRuntime {
 
     /// Runs `runsc create` or `runsc restore` for a sandbox. The sandbox inherits
     /// the command's stdio as the agent's stdout/stderr: a file, never a pipe (a
-    /// pipe would keep the command from ever finishing).
+    /// pipe would keep the command from ever finishing, and would end the sandbox with
+    /// the server). Root inside can write to it (`/proc/1/fd/1`), so the file is on the
+    /// sandbox's log tmpfs ([`lend::mount_log`]): a flood fills that and nothing else.
     async fn launch(&self, state_dir: &Path, args: &[OsString]) -> Result<(), RuntimeError> {
-        let console_path = state_dir.join("console.log");
+        let console_path = lend::mount_log(state_dir)?.join(CONSOLE_LOG);
         let console = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -282,11 +294,18 @@ impl Runtime for GvisorRuntime {
             spec.disk_mib,
         )
         .await?;
+        let (dir, agents, run, rootfs) = (
+            spec.state_dir.clone(),
+            spec.agent_dir.clone(),
+            spec.run_dir.clone(),
+            spec.rootfs.clone(),
+        );
+        let lent = blocking(move || Ok(lend::lend(&dir, &agents, &run, &rootfs)?)).await?;
         if let Some(cfg) = spec.network.clone() {
             let (id, dir) = (spec.id.clone(), spec.state_dir.clone());
             blocking(move || net::setup(&id, &dir, net::LinkKind::Veth, &cfg)).await?;
         }
-        let config = serde_json::to_vec_pretty(&self.oci_spec(spec)).unwrap_or_default();
+        let config = serde_json::to_vec_pretty(&self.oci_spec(spec, &lent)).unwrap_or_default();
         tokio::fs::write(bundle.join("config.json"), config)
             .await
             .map_err(|e| RuntimeError::io("writing the OCI spec", e))?;
@@ -323,6 +342,9 @@ impl Runtime for GvisorRuntime {
         self.stop(id, state_dir).await?;
         let owned = id.to_owned();
         blocking(move || net::teardown(&owned)).await?;
+        // Never remove through a mount: below the read-only binds are the template and
+        // the server's own run directory.
+        disk::ensure_nothing_mounted_below(state_dir)?;
         match tokio::fs::remove_dir_all(state_dir).await {
             Ok(()) => Ok(()),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
@@ -419,6 +441,9 @@ impl Runtime for GvisorRuntime {
         let bundle = format!("--bundle={}", state_dir.join("bundle").display());
         wait_for_processes_gone(&bundle).await?;
         Self::remove_cgroups(id);
+        // The restore runs this copy of the agent (the checkpoint's memory has it mapped).
+        lend::sync_agent_copy(state_dir)
+            .map_err(|e| RuntimeError::io("saving the sandbox's copy of the agent", e))?;
         // The snapshot holds the writable layer; its filesystem stays on disk, unmounted.
         disk::unmount_below(state_dir).await?;
         Ok(())
@@ -439,6 +464,8 @@ impl Runtime for GvisorRuntime {
         if image.exists() {
             disk::ensure_mounted(&image, &state_dir.join("overlay"), 1).await?;
         }
+        let dir = state_dir.to_path_buf();
+        blocking(move || Ok(lend::relend(&dir)?)).await?;
         // runsc took the addresses off the namespace's end when it started: make the
         // link again, as it was, for the restored sandbox to copy.
         let (owned, dir) = (id.to_owned(), state_dir.to_path_buf());

@@ -6,6 +6,7 @@ pub mod disk;
 pub mod guest;
 pub mod gvisor;
 pub mod import;
+pub mod lend;
 pub mod microvm;
 pub mod net;
 pub mod template;

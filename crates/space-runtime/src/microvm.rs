@@ -28,12 +28,21 @@
 //! <state_dir>/qemu.pid      QEMU's pid while it runs
 //! <state_dir>/qmp.sock      QMP, for lifecycle operations
 //! <state_dir>/status.sock   QMP, for status and stop (never behind a long operation)
-//! <state_dir>/console.log   the guest's serial console
-//! <state_dir>/qemu.log      QEMU's own messages (stdout and stderr)
+//! <state_dir>/log/          a tmpfs of `lend::LOG_BYTES`, mounted while QEMU runs:
+//!   console.log             the guest's serial console
+//!   qemu.log                QEMU's own messages (stdout and stderr)
 //! <state_dir>/detached.sock never exists: where the agent's port points while off the host
 //! <state_root>/<id>         symlink to <state_dir>: how id-only calls find a sandbox
 //! <image_dir>/memory        a checkpoint's memory and device state (QEMU migration stream)
 //! ```
+//!
+//! What the guest can make the host store: its disk (the qcow2 overlay, at most its virtual
+//! size, the quota, plus qcow2's metadata), its serial console and QEMU's messages (the log
+//! tmpfs: full is full), and a checkpoint's memory file (the VM's RAM and device state).
+//! Everything else QEMU opens is read-only: the template's image (the overlay's backing file,
+//! shared by the sandboxes of a template, which QEMU opens read-only), the kernel and the
+//! initramfs (read into guest memory at boot). The agent runs from the initramfs, in guest
+//! memory. No host directory is visible to the guest. The audit is in docs/SECURITY.md.
 //!
 //! What is QEMU-specific (the command line, QMP) stays in small private functions and the
 //! [`qmp`] module, so a Firecracker driver can reuse the rest (see `docs/FIRECRACKER.md`).
@@ -350,7 +359,7 @@ impl MicrovmRuntime {
         for stale in [PID_FILE, QMP_SOCKET, STATUS_SOCKET] {
             let _ = std::fs::remove_file(state_dir.join(stale));
         }
-        let log_path = state_dir.join(QEMU_LOG);
+        let log_path = crate::lend::mount_log(state_dir)?.join(QEMU_LOG);
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -467,7 +476,7 @@ impl MicrovmRuntime {
             &agent_socket,
             &qmp_socket,
             &status_socket,
-            &state.join(CONSOLE_LOG),
+            &state.join(crate::lend::LOG_DIR).join(CONSOLE_LOG),
         ] {
             check_qemu_path(path)?;
         }
@@ -530,11 +539,14 @@ impl MicrovmRuntime {
             format!("unix:{},server=on,wait=off", p(&qmp_socket)),
             "-qmp".into(),
             format!("unix:{},server=on,wait=off", p(&status_socket)),
-            // Appended to, so a restore keeps what the boot printed.
+            // Guest root can write to its serial port forever: the file is on the sandbox's
+            // log tmpfs, so a flood fills that (QEMU then drops the bytes) and no disk. A
+            // file rather than a `ringbuf` chardev: a file outlives QEMU, and a guest's last
+            // words (a panic, which ends QEMU: -no-reboot) are what an error message needs.
             "-chardev".into(),
             format!(
                 "file,id=console,path={},append=on",
-                p(&state.join(CONSOLE_LOG))
+                p(&state.join(crate::lend::LOG_DIR).join(CONSOLE_LOG))
             ),
             "-serial".into(),
             "chardev:console".into(),
@@ -580,7 +592,7 @@ impl MicrovmRuntime {
         for stale in [PID_FILE, QMP_SOCKET, STATUS_SOCKET] {
             let _ = std::fs::remove_file(state_dir.join(stale));
         }
-        Ok(())
+        crate::disk::unmount_below(state_dir).await
     }
 }
 
@@ -729,6 +741,7 @@ impl Runtime for MicrovmRuntime {
         self.stop(id, state_dir).await?;
         let owned = id.to_owned();
         crate::gvisor::blocking(move || net::teardown(&owned)).await?;
+        crate::disk::ensure_nothing_mounted_below(state_dir)?;
         match tokio::fs::remove_dir_all(state_dir).await {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
@@ -1225,7 +1238,8 @@ fn qmp_failed(id: &str, e: QmpError) -> RuntimeError {
 
 /// The end of a sandbox's serial console, for error messages (the guest's own words).
 fn console_tail(state_dir: &Path) -> String {
-    let log = std::fs::read(state_dir.join(CONSOLE_LOG)).unwrap_or_default();
+    let log =
+        std::fs::read(state_dir.join(crate::lend::LOG_DIR).join(CONSOLE_LOG)).unwrap_or_default();
     let text = tail_text(&log, 600);
     // Guest bytes: printable only.
     text.chars()

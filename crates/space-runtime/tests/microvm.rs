@@ -195,7 +195,7 @@ async fn accept_hello(vm: &Vm) -> (UnixStream, Value) {
 use tokio::io::AsyncReadExt;
 
 fn console(vm: &Vm) -> String {
-    let log = fs::read(vm.spec.state_dir.join("console.log")).unwrap_or_default();
+    let log = fs::read(vm.spec.state_dir.join("log/console.log")).unwrap_or_default();
     let start = log.len().saturating_sub(3000);
     format!("console:\n{}", String::from_utf8_lossy(&log[start..]))
 }

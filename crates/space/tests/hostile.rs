@@ -2745,6 +2745,738 @@ mod template_builds {
     }
 }
 
+// ═══════════════ what the host lends a sandbox (issue 11, points 1, 4 and 5) ═══════════════
+//
+// Three cases, on both runtimes:
+// - `lent_files`: every route a root command has to the host files that back its sandbox
+//   (the agent binary, the run directory, the template's root): remounts, binds, moves,
+//   overlays, new mounts of the same filesystem, O_RDWR opens through /proc/self/fd,
+//   truncation, new files of every kind. Each attack must fail, or land only in the
+//   sandbox's own copy-on-write view: the host's files do not change, a neighbour and
+//   another tenant's sandbox still see the genuine agent, and so does a sandbox created
+//   afterwards. No process of the sandbox holds a host file open for writing outside the
+//   sandbox's own writable layer and its bounded log directory.
+// - `host_disk_floods`: the console (PID 1's stdout/stderr, /dev/console, /dev/kmsg, the
+//   serial port) and the run directory flooded as root: the host's sandbox directory grows
+//   by at most a small bound outside the quota'd disk, which stays within its quota.
+// - `agent_socket_flood`: hundreds of half-open connections to the agent's socket from
+//   inside: the server holds a bounded number of descriptors for them, the real agent keeps
+//   working, and gets back in after a server restart while the flood goes on.
+
+/// Largest file hashed by content in a host digest; bigger ones (template disk images)
+/// are compared by size and change times, which any write moves.
+const DIGEST_HASH_MAX: u64 = 8 << 20;
+
+fn sha256_hex(data: &[u8]) -> String {
+    use sha2::{Digest, Sha256};
+    Sha256::digest(data)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// What the host paths hold, entry by entry (symlinks not followed): type, mode, size and
+/// the content's hash (or the change times of big files).
+fn host_digest(paths: &[PathBuf]) -> std::collections::BTreeMap<String, String> {
+    let mut out = std::collections::BTreeMap::new();
+    let mut stack: Vec<PathBuf> = paths.to_vec();
+    while let Some(p) = stack.pop() {
+        let Ok(m) = std::fs::symlink_metadata(&p) else {
+            out.insert(p.display().to_string(), "missing".to_string());
+            continue;
+        };
+        let what = if m.is_dir() {
+            for e in std::fs::read_dir(&p).into_iter().flatten().flatten() {
+                stack.push(e.path());
+            }
+            format!("dir {:o}", m.mode())
+        } else if m.is_file() && m.len() <= DIGEST_HASH_MAX {
+            let data = std::fs::read(&p).unwrap_or_default();
+            format!("file {:o} {} {}", m.mode(), m.len(), sha256_hex(&data))
+        } else {
+            format!(
+                "{:?} {:o} {} {}.{} {}.{}",
+                m.file_type(),
+                m.mode(),
+                m.len(),
+                m.mtime(),
+                m.mtime_nsec(),
+                m.ctime(),
+                m.ctime_nsec()
+            )
+        };
+        out.insert(p.display().to_string(), what);
+    }
+    out
+}
+
+/// The entries of two digests that differ.
+fn digest_diff(
+    a: &std::collections::BTreeMap<String, String>,
+    b: &std::collections::BTreeMap<String, String>,
+) -> Vec<String> {
+    let keys: BTreeSet<&String> = a.keys().chain(b.keys()).collect();
+    keys.into_iter()
+        .filter(|k| a.get(*k) != b.get(*k))
+        .map(|k| format!("{k}: {:?} -> {:?}", a.get(k), b.get(k)))
+        .collect()
+}
+
+/// The host files behind a sandbox that it must never change: the server's agent, and the
+/// sandbox's root, agent and guest files as its runtime lends them (read from the OCI
+/// spec, or QEMU's argument list). Its run directory is checked apart ([`run_dir_extras`]).
+fn lent_paths(h: &Hostile, sb: &str) -> Vec<PathBuf> {
+    let data = h.s.data_dir();
+    let state = data.join("sandboxes").join(sb);
+    let mut paths = vec![data.join("agent")];
+    if h.rt == "gvisor" {
+        let spec: Value = serde_json::from_slice(
+            &std::fs::read(state.join("bundle/config.json")).expect("the sandbox's OCI spec"),
+        )
+        .expect("OCI spec JSON");
+        paths.push(PathBuf::from(spec["root"]["path"].as_str().unwrap()));
+        for m in spec["mounts"].as_array().unwrap() {
+            if m["type"] == "bind" && m["destination"] != "/.space/run" {
+                paths.push(PathBuf::from(m["source"].as_str().unwrap()));
+            }
+        }
+    } else {
+        let args: Vec<String> = serde_json::from_slice(
+            &std::fs::read(state.join("launch.json")).expect("the microVM's launch.json"),
+        )
+        .expect("launch.json");
+        for flag in ["-kernel", "-initrd"] {
+            let i = args.iter().position(|a| a == flag).unwrap();
+            paths.push(PathBuf::from(&args[i + 1]));
+        }
+        // The template's disk image (every qcow2 overlay's backing file) and the cached
+        // initramfs with the agent.
+        paths.push(data.join("microvm/images"));
+    }
+    paths
+}
+
+/// Entries of a sandbox's host run directory other than the agent's socket.
+fn run_dir_extras(h: &Hostile, sb: &str) -> Vec<String> {
+    let dir = h.s.data_dir().join("sandboxes").join(sb).join("run");
+    std::fs::read_dir(&dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n != "agent.sock")
+        .collect()
+}
+
+/// Checks, from inside a sandbox, that it sees only the genuine agent in /.space/bin and
+/// nothing but the socket in /.space/run. Returns what is wrong.
+const GENUINE_AGENT: &str = "ls -A /.space/bin | tr '\\n' ' '; echo '|'; \
+     sha256sum /.space/bin/space-agent | cut -d' ' -f1; echo '|'; ls -A /.space/run | tr '\\n' ' '";
+
+fn genuine_agent_problems(out: &Value, agent_sha: &str) -> Vec<String> {
+    let text = out["stdout"].as_str().unwrap_or_default();
+    let parts: Vec<&str> = text.split('|').map(str::trim).collect();
+    let mut problems = Vec::new();
+    if parts.len() != 3 {
+        return vec![format!("unreadable answer: {out}")];
+    }
+    if parts[0] != "space-agent" {
+        problems.push(format!("/.space/bin holds {:?}", parts[0]));
+    }
+    if parts[1] != agent_sha {
+        problems.push(format!(
+            "/.space/bin/space-agent is {:?}, not the server's",
+            parts[1]
+        ));
+    }
+    if parts[2].split_whitespace().any(|n| n != "agent.sock") {
+        problems.push(format!("/.space/run holds {:?}", parts[2]));
+    }
+    problems
+}
+
+/// `space keys create --tenant T` on the server's data dir; the key it prints.
+fn tenant_key(s: &TestServer, tenant: &str) -> String {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_space"))
+        .args(["keys", "create", "--tenant", tenant, "--name", "hostile"])
+        .arg("--data-dir")
+        .arg(s.data_dir())
+        .output()
+        .expect("space keys create");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap().trim().to_string()
+}
+
+/// A request as another tenant (`key`): status and body.
+async fn call_as(
+    h: &Hostile,
+    key: &str,
+    method: reqwest::Method,
+    path: &str,
+    body: Option<Value>,
+) -> (u16, Value) {
+    let mut rb =
+        h.s.http
+            .request(method, format!("{}{path}", h.s.url))
+            .bearer_auth(key)
+            .timeout(Duration::from_secs(600));
+    if let Some(b) = body {
+        rb = rb.json(&b);
+    }
+    let resp = rb.send().await.expect("request");
+    let st = resp.status().as_u16();
+    (st, resp.json().await.unwrap_or(Value::Null))
+}
+
+/// A running busybox sandbox of `key`'s tenant.
+async fn create_as(h: &Hostile, key: &str) -> String {
+    let (st, op) = call_as(
+        h,
+        key,
+        reqwest::Method::POST,
+        "/v1/sandboxes",
+        Some(json!({"template": "busybox", "runtime": h.rt})),
+    )
+    .await;
+    assert_eq!(st, 202, "{op}");
+    let path = format!("/v1/operations/{}?wait=30s", op["id"].as_str().unwrap());
+    for _ in 0..40 {
+        let (_, op) = call_as(h, key, reqwest::Method::GET, &path, None).await;
+        match op["status"].as_str().unwrap_or_default() {
+            "succeeded" => return op["sandbox_id"].as_str().unwrap().to_string(),
+            "failed" | "cancelled" => panic!("create failed: {op}"),
+            _ => {}
+        }
+    }
+    panic!("the create did not finish");
+}
+
+async fn destroy_as(h: &Hostile, key: &str, sb: &str) {
+    let (st, op) = call_as(
+        h,
+        key,
+        reqwest::Method::DELETE,
+        &format!("/v1/sandboxes/{sb}"),
+        None,
+    )
+    .await;
+    assert_eq!(st, 202, "{op}");
+    let path = format!("/v1/operations/{}?wait=30s", op["id"].as_str().unwrap());
+    for _ in 0..40 {
+        let (_, op) = call_as(h, key, reqwest::Method::GET, &path, None).await;
+        if op["status"] == "succeeded" {
+            h.s.assert_nothing_left(sb);
+            return;
+        }
+    }
+    panic!("the destroy of {sb} did not finish");
+}
+
+/// Pids of the host processes that make up a sandbox (runsc's sandbox and gofer, or QEMU).
+fn sandbox_processes(sb: &str) -> Vec<i32> {
+    common::processes_mentioning(sb)
+        .into_iter()
+        .filter(|(_, cmd)| {
+            let argv0 = cmd.split(' ').next().unwrap_or_default();
+            let name = argv0.rsplit('/').next().unwrap_or_default();
+            name.starts_with("runsc") || name.starts_with("qemu")
+        })
+        .map(|(pid, _)| pid)
+        .collect()
+}
+
+/// Regular host files that a sandbox's processes hold open for writing, other than its own
+/// writable layer (gVisor's overlay filestore, the microVM's qcow2 disk), its bounded log
+/// directory, QEMU's pid file and anonymous memory.
+fn writable_host_files(h: &Hostile, sb: &str) -> Vec<String> {
+    let state = h.s.data_dir().join("sandboxes").join(sb);
+    // QEMU holds its pid file open (and locked): a pid, written once, by QEMU.
+    let allowed = [
+        state.join("overlay/"),
+        state.join("log/"),
+        state.join("disk.qcow2"),
+        state.join("qemu.pid"),
+    ];
+    let mut found = Vec::new();
+    for pid in sandbox_processes(sb) {
+        for e in std::fs::read_dir(format!("/proc/{pid}/fd"))
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let fd = e.file_name().to_string_lossy().into_owned();
+            let flags = std::fs::read_to_string(format!("/proc/{pid}/fdinfo/{fd}"))
+                .unwrap_or_default()
+                .lines()
+                .find_map(|l| l.strip_prefix("flags:"))
+                .and_then(|f| u32::from_str_radix(f.trim(), 8).ok())
+                .unwrap_or(0);
+            if flags & 3 == 0 {
+                continue; // O_RDONLY
+            }
+            let Ok(target) = std::fs::read_link(e.path()) else {
+                continue;
+            };
+            let target = target.to_string_lossy().into_owned();
+            if !std::fs::metadata(e.path()).is_ok_and(|m| m.is_file())
+                || target.starts_with("/memfd:")
+                || allowed
+                    .iter()
+                    .any(|a| target.starts_with(&*a.to_string_lossy()))
+            {
+                continue;
+            }
+            found.push(format!("pid {pid} fd {fd}: {target}"));
+        }
+    }
+    found
+}
+
+/// Whether `sb` (of `key`'s tenant, or the dev tenant's) still runs a command.
+async fn answers_as(h: &Hostile, key: Option<&str>, sb: &str) -> bool {
+    let path = format!("/v1/sandboxes/{sb}/commands");
+    let body = json!({"argv": ["true"], "wait": true});
+    let (st, out) = match key {
+        Some(k) => call_as(h, k, reqwest::Method::POST, &path, Some(body)).await,
+        None => h.s.post(&path, body).await,
+    };
+    st == 201 && out["result"]["exit_code"] == 0
+}
+
+/// What `sb` sees in /.space, as `key`'s tenant (or the dev tenant's); what is wrong.
+async fn agent_seen_as(h: &Hostile, key: Option<&str>, sb: &str, agent_sha: &str) -> Vec<String> {
+    let path = format!("/v1/sandboxes/{sb}/commands");
+    let body = json!({"shell": GENUINE_AGENT, "wait": true});
+    let (st, out) = match key {
+        Some(k) => call_as(h, k, reqwest::Method::POST, &path, Some(body)).await,
+        None => h.s.post(&path, body).await,
+    };
+    if st != 201 {
+        return vec![format!("no answer ({st}): {out}")];
+    }
+    genuine_agent_problems(&out, agent_sha)
+}
+
+async fn lent_files(rt: &'static str) {
+    let Some(mut h) = setup(rt, &[]).await else {
+        return;
+    };
+    let gvisor = rt == "gvisor";
+    let other_key = tenant_key(&h.s, "other");
+    let mut other = create_as(&h, &other_key).await;
+    let mut v = h.victim(json!({})).await;
+    let master = h.s.data_dir().join("agent/space-agent");
+    let agent_bytes = std::fs::read(&master).unwrap();
+    let agent_sha = sha256_hex(&agent_bytes);
+    let mut lent = lent_paths(&h, &v);
+    eprintln!("[{rt}] host paths lent to {v}: {lent:?}");
+    let mut baseline = host_digest(&lent);
+    let mut breaches: Vec<String> = Vec::new();
+    let writable = writable_host_files(&h, &v);
+    if !writable.is_empty() {
+        breaches.push(format!("host files open for writing: {writable:?}"));
+    }
+
+    // Each attack is a root shell script; `$P userns CMD` is `unshare -Urm CMD` (root of a
+    // user namespace with a mount namespace of its own: CAP_SYS_ADMIN over its mounts).
+    let attacks: &[(&str, &str)] = &[
+        (
+            "unshare_remount (the reproduction)",
+            "unshare -Urm sh -c 'mount -o remount,rw /.space/bin && touch /.space/bin/x'",
+        ),
+        (
+            "remount_rw",
+            "$P userns sh -c 'for d in /.space/bin /.space/run /; do $P remount_rw $d; \
+               mount -o remount,rw $d; echo x >$d/x-remount; mkdir $d/xd-remount; done; \
+               $P openrw /.space/bin/space-agent; $P truncate /.space/bin/space-agent; \
+               cp /bin/busybox /.space/bin/space-agent; echo x >/.space/run/token'",
+        ),
+        (
+            "bind_elsewhere_then_remount",
+            "$P userns sh -c 'mkdir -p /tmp/m; for d in /.space/bin /.space/run /; do \
+               mount --bind $d /tmp/m && { $P remount_rw /tmp/m; mount -o remount,rw /tmp/m; \
+               echo x >/tmp/m/x-bind; $P openrw /tmp/m/space-agent; \
+               $P openrw /tmp/m/etc/passwd; umount /tmp/m; }; done'",
+        ),
+        (
+            "mount_move",
+            "$P userns sh -c 'mkdir -p /tmp/m /tmp/n; mount --move /.space/bin /tmp/m && \
+               { $P remount_rw /tmp/m; echo x >/tmp/m/x-move; $P openrw /tmp/m/space-agent; }; \
+               mount --move /.space/run /tmp/n && { $P remount_rw /tmp/n; echo x >/tmp/n/x-move; }'",
+        ),
+        (
+            "overlay_over_bin",
+            "$P userns sh -c 'mkdir -p /tmp/u /tmp/w; mount -t overlay overlay \
+               -o lowerdir=/.space/bin,upperdir=/tmp/u,workdir=/tmp/w /.space/bin && \
+               { echo x >/.space/bin/x-overlay; $P openrw /.space/bin/space-agent; }; \
+               mkdir -p /tmp/u2 /tmp/w2; mount -t overlay overlay \
+               -o lowerdir=/.space/run,upperdir=/tmp/u2,workdir=/tmp/w2 /.space/run && \
+               echo x >/.space/run/x-overlay'",
+        ),
+        (
+            "new_mount_of_the_same_filesystem",
+            // The source, type and options of each mount, mounted again read-write.
+            "$P userns sh -c 'mkdir -p /tmp/m; for d in /.space/bin /.space/run /; do \
+               set -- $(grep \" $d \" /proc/mounts | tail -n1); \
+               o=$(echo \"$4\" | sed \"s/^ro,//; s/,ro,/,/; s/^ro$//\"); \
+               mount -t \"$3\" -o \"rw${o:+,$o}\" \"$1\" /tmp/m && { echo x >/tmp/m/x-new; \
+               $P openrw /tmp/m/space-agent; $P openrw /tmp/m/etc/passwd; umount /tmp/m; }; done; \
+               mount /dev/vda /tmp/m 2>/dev/null && { echo x >/tmp/m/x-vda; umount /tmp/m; }; true'",
+        ),
+        (
+            "open_rdwr",
+            "for f in /.space/bin/space-agent /proc/1/exe /etc/passwd; do $P openrw $f; \
+               $P fdreopen $f; done; $P truncate /.space/bin/space-agent; \
+               $P userns sh -c '$P remount_rw /.space/bin; $P remount_rw /; \
+               for f in /.space/bin/space-agent /proc/1/exe /etc/passwd; do \
+               $P openrw $f; $P fdreopen $f; done; $P truncate /.space/bin/space-agent'",
+        ),
+        (
+            "run_dir_writes",
+            "cd /.space/run; dd if=/dev/zero of=fill bs=1M count=200; mkdir d; mkfifo f; \
+               $P bind_unix s; touch t; ln -s / l; ln agent.sock hard; \
+               $P userns sh -c '$P remount_rw /.space/run; mount -o remount,rw /.space/run; \
+               dd if=/dev/zero of=/.space/run/fill2 bs=1M count=200; mkdir /.space/run/d2; \
+               mkfifo /.space/run/f2; $P bind_unix /.space/run/s2; mv /.space/run/agent.sock /.space/run/moved'",
+        ),
+    ];
+    for (name, script) in attacks {
+        let script = format!("export P={PROBE}; {script}; true");
+        let (st, out) = h
+            .try_cmd(
+                &v,
+                json!({"shell": script, "timeout_seconds": 120, "wait": true}),
+            )
+            .await;
+        eprintln!(
+            "[{rt}] {name} ({st}): {} {}",
+            out["stdout"].as_str().unwrap_or_default().trim(),
+            out["stderr"].as_str().unwrap_or_default().trim()
+        );
+        let before = breaches.len();
+        if st != 201 || out["result"].is_null() {
+            breaches.push(format!("{name}: the victim stopped answering: {out}"));
+        }
+        let now = host_digest(&lent);
+        let diff = digest_diff(&baseline, &now);
+        if !diff.is_empty() {
+            breaches.push(format!("{name}: host files changed: {diff:?}"));
+        }
+        let extras = run_dir_extras(&h, &v);
+        if !extras.is_empty() {
+            breaches.push(format!("{name}: the host run dir holds {extras:?}"));
+        }
+        for p in agent_seen_as(&h, None, &h.neighbour, &agent_sha).await {
+            breaches.push(format!("{name}: the neighbour: {p}"));
+        }
+        for p in agent_seen_as(&h, Some(&other_key), &other, &agent_sha).await {
+            breaches.push(format!("{name}: another tenant's sandbox: {p}"));
+        }
+        if breaches.len() > before {
+            // Only where an attack got through: undo it, so that each attack is judged on
+            // its own (the server's agent back, dead sandboxes replaced).
+            std::fs::write(&master, &agent_bytes).unwrap();
+            for e in std::fs::read_dir(master.parent().unwrap())
+                .unwrap()
+                .flatten()
+            {
+                if e.file_name() != "space-agent" {
+                    let _ = std::fs::remove_dir_all(e.path())
+                        .or_else(|_| std::fs::remove_file(e.path()));
+                }
+            }
+            let run = h.s.data_dir().join("sandboxes").join(&v).join("run");
+            for extra in run_dir_extras(&h, &v) {
+                let p = run.join(extra);
+                let _ = std::fs::remove_dir_all(&p).or_else(|_| std::fs::remove_file(&p));
+            }
+            if !answers_as(&h, None, &v).await {
+                v = h.victim(json!({})).await;
+            }
+            lent = lent_paths(&h, &v);
+            baseline = host_digest(&lent);
+            if !answers_as(&h, None, &h.neighbour).await {
+                h.neighbour = h.create(json!({})).await;
+            }
+            if !answers_as(&h, Some(&other_key), &other).await {
+                other = create_as(&h, &other_key).await;
+            }
+        }
+    }
+    if breaches.is_empty() {
+        h.healthy("lent_files", Some(&v)).await;
+    }
+    // A sandbox made afterwards runs the genuine agent.
+    let (st, op) =
+        h.s.post(
+            "/v1/sandboxes",
+            json!({"template": "busybox", "runtime": rt}),
+        )
+        .await;
+    assert_eq!(st, 202, "{op}");
+    let op = h.s.wait_op(op["id"].as_str().unwrap()).await;
+    let after = op["sandbox_id"].as_str().unwrap().to_string();
+    if op["status"] == "succeeded" {
+        for p in agent_seen_as(&h, None, &after, &agent_sha).await {
+            breaches.push(format!("a sandbox created afterwards: {p}"));
+        }
+        let writable = writable_host_files(&h, &after);
+        if !writable.is_empty() {
+            breaches.push(format!(
+                "host files open for writing afterwards: {writable:?}"
+            ));
+        }
+        if gvisor {
+            // No host path is lent to two sandboxes.
+            let (a, b) = (lent_paths(&h, &v), lent_paths(&h, &after));
+            let shared: Vec<&PathBuf> = a[1..].iter().filter(|p| b[1..].contains(p)).collect();
+            if !shared.is_empty() {
+                breaches.push(format!("host paths lent to two sandboxes: {shared:?}"));
+            }
+        }
+    } else {
+        breaches.push(format!("a sandbox created afterwards did not start: {op}"));
+    }
+    assert!(
+        breaches.is_empty(),
+        "[{rt}] {} breaches:\n{}",
+        breaches.len(),
+        breaches.join("\n")
+    );
+    h.s.destroy(&after).await;
+    destroy_as(&h, &other_key, &other).await;
+    h.finish(&[&v]).await;
+}
+
+/// Bytes a sandbox's directory takes on the host outside its disk image, its writable
+/// layer's mount and what it borrows read-only, and the disk image's own bytes.
+fn host_bytes(h: &Hostile, sb: &str) -> (u64, u64) {
+    let state = h.s.data_dir().join("sandboxes").join(sb);
+    let (mut other, mut disk) = (0, 0);
+    let mut stack = vec![state.clone()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            let p = e.path();
+            let Ok(m) = std::fs::symlink_metadata(&p) else {
+                continue;
+            };
+            let name = e.file_name();
+            if d == state && (name == "overlay" || name == "ro") {
+                continue;
+            }
+            if d == state && (name == "disk.img" || name == "disk.qcow2") {
+                disk += m.blocks() * 512;
+            } else if m.is_dir() {
+                stack.push(p);
+            } else {
+                other += m.blocks() * 512;
+            }
+        }
+    }
+    (other, disk)
+}
+
+async fn host_disk_floods(rt: &'static str) {
+    let Some(h) = setup(rt, &[]).await else {
+        return;
+    };
+    let disk_mib = 64;
+    let body = json!({"resources": {"disk_mib": disk_mib}});
+    let v = h.victim(body).await;
+    let (before, _) = host_bytes(&h, &v);
+    // 300 MiB at most into each, 30 s each at most (a TCG serial port is slow).
+    let floods = [
+        "/proc/1/fd/1",
+        "/proc/1/fd/2",
+        "/dev/console",
+        "/dev/kmsg",
+        "/dev/ttyS0",
+        "/dev/hvc0",
+        "/.space/run/fill",
+    ];
+    // A device that does not exist is skipped: a write would make a file in the sandbox's
+    // own /dev (its memory).
+    for target in floods {
+        let script = format!(
+            "case {target} in /dev/*) [ -e {target} ] || {{ echo no {target}; exit 0; }};; esac; \
+             timeout 30 dd if=/dev/zero of={target} bs=64k count=4800 2>&1 | tail -n1; \
+             timeout 30 sh -c 'yes AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA >{target}' 2>&1 | tail -n1; true"
+        );
+        let body = json!({"shell": script, "timeout_seconds": 120, "wait": true});
+        // A starved agent may miss its keepalive during the previous flood and dial in
+        // again: a 503 is asked again (as `echo` does).
+        let mut out = h.try_cmd(&v, body.clone()).await;
+        for _ in 0..30 {
+            if out.0 != 503 {
+                break;
+            }
+            eprintln!("NOTE [{rt}] {target}: 503, asking again: {}", out.1);
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            out = h.try_cmd(&v, body.clone()).await;
+        }
+        assert_eq!(out.0, 201, "{target}: {}", out.1);
+        let (now, disk) = host_bytes(&h, &v);
+        eprintln!(
+            "[{rt}] flood {target}: {}; host bytes outside the disk {before} -> {now}, disk {disk}",
+            out.1["stdout"]
+                .as_str()
+                .unwrap_or_default()
+                .trim()
+                .replace('\n', " / ")
+        );
+        assert!(
+            now <= before + (2 << 20),
+            "flooding {target} grew the host's sandbox directory from {before} to {now} bytes"
+        );
+        // The image: the quota, ext4's own room (1/32, at least 16 MiB) and a qcow2's metadata.
+        assert!(
+            disk <= (disk_mib + 16 + 8) << 20
+                || !h.rt.eq("gvisor") && disk <= (disk_mib + 256) << 20,
+            "the disk image takes {disk} bytes for a quota of {disk_mib} MiB"
+        );
+    }
+    // The same through a user namespace that lifted the run directory's read-only flag.
+    let out = h
+        .sh(
+            &v,
+            &format!(
+                "{PROBE} userns sh -c '{PROBE} remount_rw /.space/run; \
+                 dd if=/dev/zero of=/.space/run/fill2 bs=1M count=200 2>&1 | tail -n1'; true"
+            ),
+        )
+        .await;
+    let (now, _) = host_bytes(&h, &v);
+    eprintln!(
+        "[{rt}] flood through a remount: {}; {before} -> {now}",
+        out["stdout"]
+    );
+    assert!(now <= before + (2 << 20), "{before} -> {now} bytes: {out}");
+    assert!(
+        run_dir_extras(&h, &v).is_empty(),
+        "{:?}",
+        run_dir_extras(&h, &v)
+    );
+    h.healthy("host_disk_floods", Some(&v)).await;
+    h.finish(&[&v]).await;
+}
+
+/// Descriptors the server process holds on sockets bound at `socket` (its listener, and
+/// the connections it accepted there, which /proc/net/unix names by the listener's path,
+/// bound beside `socket` and renamed). An accepted socket lives in the network namespace
+/// of the side that connected: under gVisor, runsc's gofer's.
+fn server_fds_on(pid: u32, sb: &str, socket: &std::path::Path) -> usize {
+    let prefix = socket.to_string_lossy().into_owned();
+    let mut views = vec!["/proc/self/net/unix".to_string()];
+    views.extend(
+        sandbox_processes(sb)
+            .iter()
+            .map(|p| format!("/proc/{p}/net/unix")),
+    );
+    let inodes: BTreeSet<String> = views
+        .iter()
+        .flat_map(|v| {
+            std::fs::read_to_string(v)
+                .unwrap_or_default()
+                .lines()
+                .filter_map(|l| {
+                    let f: Vec<&str> = l.split_whitespace().collect();
+                    (f.len() >= 8 && f[7].starts_with(&prefix)).then(|| f[6].to_string())
+                })
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| std::fs::read_link(e.path()).ok())
+        .filter_map(|t| {
+            t.to_string_lossy()
+                .strip_prefix("socket:[")
+                .and_then(|r| r.strip_suffix(']'))
+                .map(str::to_string)
+        })
+        .filter(|i| inodes.contains(i))
+        .count()
+}
+
+/// The most descriptors the server may hold for one sandbox's agent socket: its listener,
+/// the live connection, 4 handshakes in progress, and one just accepted in the place of
+/// the oldest of those.
+const MAX_AGENT_SOCKET_FDS: usize = 7;
+
+async fn agent_socket_flood(rt: &'static str) {
+    if rt != "gvisor" {
+        // A microVM's agent talks over a virtio-serial port: QEMU holds the one connection
+        // to the host's socket, and nothing in the guest can open another.
+        eprintln!("[{rt}] agent_socket_flood: no host socket inside a microVM");
+        return;
+    }
+    let Some(mut h) = setup(rt, &[]).await else {
+        return;
+    };
+    let v = h.victim(json!({})).await;
+    let socket =
+        h.s.data_dir()
+            .join("sandboxes")
+            .join(&v)
+            .join("run/agent.sock");
+    let alone = server_fds_on(h.s.pid().unwrap(), &v, &socket);
+    assert_eq!(alone, 2, "the listener and the agent's connection");
+    let holder = start_cmd(
+        &h,
+        &v,
+        json!({"shell": format!("{PROBE} hold_unix /.space/run/agent.sock 200 600 >/tmp/hold.out 2>&1")}),
+    )
+    .await;
+    let made = h
+        .sh_ok(
+            &v,
+            "while ! grep -q made /tmp/hold.out; do sleep 0.1; done; cat /tmp/hold.out",
+        )
+        .await;
+    eprintln!("[{rt}] {}", made.trim());
+    // While they are held (and redialled as the server closes them): a bounded number of
+    // descriptors, and the agent answers.
+    let mut most = 0;
+    for _ in 0..10 {
+        most = most.max(server_fds_on(h.s.pid().unwrap(), &v, &socket));
+        assert!(h.echo("agent_socket_flood", &v).await, "the victim failed");
+    }
+    eprintln!("[{rt}] server descriptors on the agent socket during the flood: at most {most}");
+    assert!(
+        most <= MAX_AGENT_SOCKET_FDS,
+        "the server held {most} descriptors for one agent socket"
+    );
+    // A server restart while the flood goes on: the agent gets back in.
+    h.s.kill_and_restart();
+    h.healthy("agent_socket_flood (after a restart)", Some(&v))
+        .await;
+    let mut most = 0;
+    for _ in 0..10 {
+        most = most.max(server_fds_on(h.s.pid().unwrap(), &v, &socket));
+        assert!(h.echo("agent_socket_flood", &v).await, "the victim failed");
+    }
+    assert!(
+        most <= MAX_AGENT_SOCKET_FDS,
+        "after the restart: {most} descriptors"
+    );
+    let (st, r) =
+        h.s.post(
+            &format!("/v1/sandboxes/{v}/commands/{holder}/signal"),
+            json!({"signal": "KILL"}),
+        )
+        .await;
+    assert_eq!(st, 200, "{r}");
+    wait_cmd(&h, &v, &holder, Duration::from_secs(60)).await;
+    h.healthy("agent_socket_flood", Some(&v)).await;
+    h.finish(&[&v]).await;
+}
+
 macro_rules! hostile {
     ($($case:ident),* $(,)?) => {
         mod gvisor {
@@ -2772,4 +3504,7 @@ hostile!(
     host_probes,
     api_abuse,
     snapshot_traps,
+    lent_files,
+    host_disk_floods,
+    agent_socket_flood,
 );

@@ -2,12 +2,22 @@
 //! agent dials, the handshake that authenticates it, and an HTTP/2 client on
 //! the accepted connection. Everything read from the agent is hostile: lines
 //! and bodies are bounded, and a protocol violation drops the connection.
+//!
+//! Anything inside a gVisor sandbox can connect to its socket, so what a sandbox can make
+//! the server hold is bounded: one agent connection at a time (an authenticated newcomer,
+//! which only the agent can be, since the token lives in its memory alone, replaces the
+//! old one: a reconnecting agent always gets in), and at most [`MAX_HANDSHAKES`]
+//! connections that have not said hello yet, each closed after [`HANDSHAKE_TIMEOUT`] or
+//! when a newer one needs its place.
 
+use std::collections::VecDeque;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
+use futures::future::{AbortHandle, Abortable};
+use futures::stream::FuturesUnordered;
 use http::{Method, Request, StatusCode};
 use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, Full, Limited, StreamBody};
@@ -34,6 +44,14 @@ static GENERATION: AtomicU64 = AtomicU64::new(0);
 
 /// How long a freshly accepted connection may take to say hello.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Connections of one sandbox in their handshake at once. The agent needs one; more only
+/// come from something else in the sandbox. The oldest makes room for a new one: the agent
+/// sends its hello as it connects, so its handshake ends as soon as it is accepted, and a
+/// flood of silent connections only makes it dial again.
+const MAX_HANDSHAKES: usize = 4;
+/// The token's file in the run directory: the host deletes it once the agent's hello is
+/// accepted (the agent cannot: the run directory is a read-only bind in its sandbox).
+const TOKEN_FILE: &str = "token";
 /// HTTP/2 flow-control windows and largest frame the host accepts from the agent.
 const H2_STREAM_WINDOW: u32 = 4 << 20;
 const H2_CONNECTION_WINDOW: u32 = 16 << 20;
@@ -166,7 +184,9 @@ impl AgentConn {
 }
 
 /// Accepts the agent's connections on `socket` for as long as the returned
-/// task runs, publishing the current connection on `conn`.
+/// task runs, publishing the current connection on `conn`. Handshakes in progress end
+/// with the task; an established connection outlives it (a listener is replaced while
+/// the agent stays connected).
 pub fn listen(
     sandbox_id: String,
     token: String,
@@ -182,38 +202,89 @@ pub fn listen(
         let _ = std::fs::remove_file(&tmp);
         return Err(e);
     }
+    let token_file = socket.with_file_name(TOKEN_FILE);
     Ok(tokio::spawn(async move {
+        // The handshakes run inside this task, so that a connection it drops is closed at
+        // once, before the next one is accepted: the bound holds at every moment.
+        let mut handshakes = FuturesUnordered::new();
+        let mut oldest_first: VecDeque<(u64, AbortHandle)> = VecDeque::new();
+        let mut next = 0u64;
+        // Connections without a hello are the sandbox's doing: their log lines are
+        // rate-limited (the 1st, 2nd, 4th, 8th, ...).
+        let mut failed = 0u64;
         loop {
-            let (stream, _) = match listener.accept().await {
-                Ok(s) => s,
-                Err(e) => {
-                    tracing::warn!(sandbox = %sandbox_id, error = %e, "accepting an agent connection failed");
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                    continue;
-                }
-            };
-            let (sandbox_id, token, conn) = (sandbox_id.clone(), token.clone(), conn.clone());
-            tokio::spawn(async move {
-                match tokio::time::timeout(
-                    HANDSHAKE_TIMEOUT,
-                    handshake(stream, &sandbox_id, &token),
-                )
-                .await
-                {
-                    Ok(Ok(stream)) => {
-                        let gen = GENERATION.fetch_add(1, Ordering::SeqCst) + 1;
-                        serve_connection(stream, &sandbox_id, gen, conn).await;
-                    }
-                    Ok(Err(reason)) => {
-                        tracing::warn!(sandbox = %sandbox_id, %reason, "agent handshake refused");
-                    }
-                    Err(_) => {
-                        tracing::warn!(sandbox = %sandbox_id, "agent handshake timed out");
+            tokio::select! {
+                biased;
+                Some(done) = handshakes.next(), if !handshakes.is_empty() => {
+                    // Err: dropped for a newer connection (its socket is closed now).
+                    if let Ok((n, outcome)) = done {
+                        oldest_first.retain(|(i, _)| *i != n);
+                        match outcome {
+                            Ok(stream) => accepted_agent(stream, &sandbox_id, &token_file, &conn),
+                            Err(reason) => {
+                                failed += 1;
+                                if failed.is_power_of_two() {
+                                    tracing::warn!(sandbox = %sandbox_id, %reason, failed, "agent connection without a valid hello");
+                                }
+                            }
+                        }
                     }
                 }
-            });
+                accepted = listener.accept() => {
+                    let stream = match accepted {
+                        Ok((s, _)) => s,
+                        Err(e) => {
+                            tracing::warn!(sandbox = %sandbox_id, error = %e, "accepting an agent connection failed");
+                            tokio::time::sleep(Duration::from_millis(100)).await;
+                            continue;
+                        }
+                    };
+                    if oldest_first.len() >= MAX_HANDSHAKES {
+                        if let Some((_, oldest)) = oldest_first.pop_front() {
+                            oldest.abort();
+                            failed += 1;
+                            if failed.is_power_of_two() {
+                                tracing::warn!(sandbox = %sandbox_id, failed, "too many agent connections without a hello; closing the oldest");
+                            }
+                        }
+                    }
+                    let (handle, registration) = AbortHandle::new_pair();
+                    next += 1;
+                    oldest_first.push_back((next, handle));
+                    let (n, id, token) = (next, sandbox_id.clone(), token.clone());
+                    handshakes.push(Abortable::new(
+                        async move {
+                            let outcome =
+                                tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake(stream, &id, &token))
+                                    .await
+                                    .unwrap_or_else(|_| Err("the handshake timed out".to_string()));
+                            (n, outcome)
+                        },
+                        registration,
+                    ));
+                }
+            }
         }
     }))
+}
+
+/// An agent that said hello: its token file goes, and its connection is served.
+fn accepted_agent(
+    stream: tokio::net::UnixStream,
+    sandbox_id: &str,
+    token_file: &Path,
+    conn: &watch::Sender<Option<AgentConn>>,
+) {
+    // The agent has read it and keeps it in memory; nothing else may.
+    if let Err(e) = std::fs::remove_file(token_file) {
+        if e.kind() != std::io::ErrorKind::NotFound {
+            tracing::warn!(sandbox = %sandbox_id, error = %e, "cannot delete the agent's token file");
+        }
+    }
+    let gen = GENERATION.fetch_add(1, Ordering::SeqCst) + 1;
+    let (id, conn) = (sandbox_id.to_owned(), conn.clone());
+    // A task of its own: the connection outlives the listener.
+    tokio::spawn(async move { serve_connection(stream, &id, gen, conn).await });
 }
 
 async fn handshake(
@@ -277,11 +348,16 @@ async fn serve_connection(
     };
     tracing::info!(sandbox = %sandbox_id, generation, "agent connected");
     let close = tokio_util::sync::CancellationToken::new();
-    conn.send_replace(Some(AgentConn {
+    // One connection at a time: the agent dialled again, so the old one is dead to it.
+    let old = conn.send_replace(Some(AgentConn {
         sender,
         generation,
         close: close.clone(),
     }));
+    if let Some(old) = old {
+        tracing::info!(sandbox = %sandbox_id, generation = old.generation, "closing the agent's previous connection");
+        old.close();
+    }
     tokio::select! {
         r = connection => match r {
             Err(e) => tracing::info!(sandbox = %sandbox_id, generation, error = %e, "agent connection ended"),

@@ -200,9 +200,13 @@ impl Service {
                 for e in entries.flatten() {
                     let name = e.file_name().to_string_lossy().into_owned();
                     if !live.contains(&name) {
-                        // A crash may have left its disk mounted there.
-                        let _ = space_runtime::disk::unmount_below(&e.path()).await;
-                        let _ = std::fs::remove_dir_all(e.path());
+                        // A crash may have left its disk and its read-only binds mounted
+                        // there; never remove through one (the template is below a bind).
+                        let path = e.path();
+                        let _ = space_runtime::disk::unmount_below(&path).await;
+                        if space_runtime::disk::ensure_nothing_mounted_below(&path).is_ok() {
+                            let _ = std::fs::remove_dir_all(&path);
+                        }
                     }
                 }
             }

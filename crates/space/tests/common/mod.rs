@@ -435,7 +435,8 @@ impl Drop for TestServer {
                 .flatten()
                 .flatten()
             {
-                let log = std::fs::read_to_string(e.path().join("console.log")).unwrap_or_default();
+                let log =
+                    std::fs::read_to_string(e.path().join("log/console.log")).unwrap_or_default();
                 let tail: Vec<&str> = log.lines().rev().take(20).collect();
                 eprintln!(
                     "---- agent console of {} ----\n{}",

@@ -23,6 +23,7 @@
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/time.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -39,6 +40,33 @@ static int report(const char *name, long rc) {
 }
 
 static void *sleeper(void *x) { (void)x; for (;;) pause(); return 0; }
+
+static int write_file(const char *path, const char *text) {
+    int fd = open(path, O_WRONLY);
+    if (fd < 0) return -1;
+    ssize_t n = write(fd, text, strlen(text));
+    int e = errno;
+    close(fd);
+    errno = e;
+    return n < 0 ? -1 : 0;
+}
+
+/* Appends a marker to an open file: a write that lands shows on the host's copy. */
+static int scribble(const char *name, int fd) {
+    struct stat st;
+    if (fstat(fd, &st) < 0) return report(name, -1);
+    return report(name, pwrite(fd, "SCRIBBLE", 8, st.st_size));
+}
+
+static int unix_connect(const char *path) {
+    int s = socket(AF_UNIX, SOCK_STREAM, 0);
+    if (s < 0) return -1;
+    struct sockaddr_un a; memset(&a, 0, sizeof a);
+    a.sun_family = AF_UNIX;
+    strncpy(a.sun_path, path, sizeof a.sun_path - 1);
+    if (connect(s, (struct sockaddr *)&a, sizeof a) < 0) { int e = errno; close(s); errno = e; return -1; }
+    return s;
+}
 
 int main(int argc, char **argv) {
     if (argc < 2) { fprintf(stderr, "usage: probe CASE [ARGS]\n"); return 2; }
@@ -130,6 +158,82 @@ int main(int argc, char **argv) {
             rc = 0;
         }
         return report(c, rc);
+    }
+    if (!strcmp(c, "userns")) {
+        /* What `unshare -Urm` does: root of a new user namespace with a mount namespace of
+         * its own (and so CAP_SYS_ADMIN over its mounts), then exec ARGV[2..]. Unlike
+         * busybox's unshare, a missing /proc/self/setgroups (gVisor) is not an error. */
+        uid_t uid = getuid(); gid_t gid = getgid();
+        if (unshare(CLONE_NEWUSER | CLONE_NEWNS) < 0) return report(c, -1);
+        char map[64];
+        write_file("/proc/self/setgroups", "deny");
+        snprintf(map, sizeof map, "0 %u 1", (unsigned)uid);
+        if (write_file("/proc/self/uid_map", map) < 0) return report("userns_uid_map", -1);
+        snprintf(map, sizeof map, "0 %u 1", (unsigned)gid);
+        if (write_file("/proc/self/gid_map", map) < 0) return report("userns_gid_map", -1);
+        fflush(stdout);
+        execvp(argv[2], argv + 2);
+        return report("userns_exec", -1);
+    }
+    if (!strcmp(c, "remount_rw")) {
+        /* Both ways of lifting a read-only flag: the superblock's and the mount's. */
+        report("remount_rw_sb", mount("none", argv[2], 0, MS_REMOUNT, 0));
+        return report("remount_rw_bind", mount("none", argv[2], 0, MS_REMOUNT | MS_BIND, 0));
+    }
+    if (!strcmp(c, "openrw")) {
+        /* open(O_RDWR) of ARGV[2], then a write at its end */
+        int fd = open(argv[2], O_RDWR);
+        if (fd < 0) return report(c, -1);
+        return scribble(c, fd);
+    }
+    if (!strcmp(c, "fdreopen")) {
+        /* open(O_RDONLY) of ARGV[2], then open(O_RDWR) of /proc/self/fd/N, then a write */
+        int ro = open(argv[2], O_RDONLY);
+        if (ro < 0) return report("fdreopen_ro", -1);
+        char p[64]; snprintf(p, sizeof p, "/proc/self/fd/%d", ro);
+        int fd = open(p, O_RDWR);
+        if (fd < 0) return report(c, -1);
+        return scribble(c, fd);
+    }
+    if (!strcmp(c, "truncate")) return report(c, truncate(argv[2], 0));
+    if (!strcmp(c, "bind_unix")) {
+        /* a listening Unix socket at ARGV[2] */
+        int s = socket(AF_UNIX, SOCK_STREAM, 0);
+        struct sockaddr_un a; memset(&a, 0, sizeof a);
+        a.sun_family = AF_UNIX;
+        strncpy(a.sun_path, argv[2], sizeof a.sun_path - 1);
+        return report(c, bind(s, (struct sockaddr *)&a, sizeof a));
+    }
+    if (!strcmp(c, "hold_unix")) {
+        /* ARGV[3] connections to the Unix socket ARGV[2], each sent half a hello line and
+         * held open for ARGV[4] seconds; a connection the other side closes is made again. */
+        int n = atoi(argv[3]), secs = atoi(argv[4]), made = 0, i;
+        int *fds = calloc(n, sizeof *fds);
+        const char *half = "{\"protocol\":1,\"sandbox_id\":\"";
+        for (i = 0; i < n; i++) {
+            fds[i] = unix_connect(argv[2]);
+            if (fds[i] >= 0) { made++; (void)!write(fds[i], half, strlen(half)); }
+        }
+        printf("hold_unix: ok made %d\n", made);
+        fflush(stdout);
+        time_t end = time(0) + secs;
+        long redials = 0;
+        while (time(0) < end) {
+            for (i = 0; i < n; i++) {
+                char b[64];
+                if (fds[i] >= 0) {
+                    struct pollfd p = { .fd = fds[i], .events = POLLIN };
+                    if (poll(&p, 1, 0) <= 0 || read(fds[i], b, sizeof b) > 0) continue;
+                    close(fds[i]);
+                }
+                fds[i] = unix_connect(argv[2]);
+                redials++;
+                if (fds[i] >= 0) (void)!write(fds[i], half, strlen(half));
+            }
+            usleep(20000);
+        }
+        printf("hold_unix: redialled %ld\n", redials);
+        return 0;
     }
     if (!strcmp(c, "close_stdout_and_run")) {
         /* close stdout and stderr, then keep running; writes a heartbeat file */
