@@ -15,16 +15,19 @@ pub struct ErrorBody {
     pub error: ApiError,
 }
 
+/// An error: a stable, machine-readable `code` and a human-readable `message`. The same
+/// shape is the body of every error response (`{"error": …}`) and a failed operation's
+/// `error`.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, JsonSchema)]
 pub struct ApiError {
-    pub code: String,
+    pub code: ErrorCode,
     pub message: String,
 }
 
 impl ApiError {
-    pub fn new(code: impl Into<String>, message: impl Into<String>) -> Self {
+    pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
         ApiError {
-            code: code.into(),
+            code,
             message: message.into(),
         }
     }
@@ -45,6 +48,72 @@ macro_rules! string_enum {
         }
     };
 }
+
+string_enum!(
+    /// Every error code the API answers with, in an error response and in a failed
+    /// operation. Codes are stable: clients may match on them; new ones may be added.
+    ///
+    /// Request errors: `invalid_request` (400, the body or a value is wrong),
+    /// `invalid_json` (400), `invalid_query` (400), `invalid_header` (400), `invalid_path`
+    /// (400, a file path), `invalid_signal` (400), `unauthorized` (401), `forbidden` (403),
+    /// `not_found` (404: also another tenant's object), `method_not_allowed` (405),
+    /// `conflict` (409: the object's state forbids it now), `invalid_transition` (409: the
+    /// sandbox's state machine forbids it), `body_too_large` and `too_large` (413: the
+    /// request body; an upload past `--max-upload-mib`), `unsupported_media_type` (415),
+    /// `too_many_requests` (429: a limit; see `Retry-After`), `internal` (500),
+    /// `agent_error` (502: the sandbox's agent answered something unusable), `unavailable`
+    /// (503: the sandbox's agent is not reachable now; retry), `agent_timeout` (504 for a
+    /// request; in an operation: the agent did not connect in time).
+    ///
+    /// File API errors (from inside the sandbox): `not_a_file` (400: a directory where a
+    /// file was meant, or the other way round), `forbidden_path` (403: `/.space`, `/proc`,
+    /// `/sys`, `/dev`, also through links), `unsafe_archive` (400: a tar entry that would
+    /// leave its directory), `no_space` (507: the sandbox's disk is full).
+    ///
+    /// Operation errors: `timed_out` (past the operation's deadline), `cancelled`,
+    /// `agent_unavailable`, `agent_busy` (a suspend could not take the agent's connection),
+    /// `template_unavailable`, `runtime_unavailable`, `runtime_failed`, `start_failed` (a
+    /// template's start command or ready check failed), `snapshot_failed`, `build_failed`,
+    /// `network_failed`, `interrupted` (the server stopped in the middle).
+    ErrorCode {
+        InvalidRequest => "invalid_request",
+        InvalidJson => "invalid_json",
+        InvalidQuery => "invalid_query",
+        InvalidHeader => "invalid_header",
+        InvalidPath => "invalid_path",
+        InvalidSignal => "invalid_signal",
+        Unauthorized => "unauthorized",
+        Forbidden => "forbidden",
+        NotFound => "not_found",
+        MethodNotAllowed => "method_not_allowed",
+        Conflict => "conflict",
+        InvalidTransition => "invalid_transition",
+        BodyTooLarge => "body_too_large",
+        TooLarge => "too_large",
+        UnsupportedMediaType => "unsupported_media_type",
+        TooManyRequests => "too_many_requests",
+        Internal => "internal",
+        AgentError => "agent_error",
+        Unavailable => "unavailable",
+        AgentTimeout => "agent_timeout",
+        NotAFile => "not_a_file",
+        ForbiddenPath => "forbidden_path",
+        UnsafeArchive => "unsafe_archive",
+        NoSpace => "no_space",
+        TimedOut => "timed_out",
+        Cancelled => "cancelled",
+        AgentUnavailable => "agent_unavailable",
+        AgentBusy => "agent_busy",
+        TemplateUnavailable => "template_unavailable",
+        RuntimeUnavailable => "runtime_unavailable",
+        RuntimeFailed => "runtime_failed",
+        StartFailed => "start_failed",
+        SnapshotFailed => "snapshot_failed",
+        BuildFailed => "build_failed",
+        NetworkFailed => "network_failed",
+        Interrupted => "interrupted",
+    }
+);
 
 string_enum!(
     /// Lifecycle state of a sandbox (`DESIGN.md` §1).

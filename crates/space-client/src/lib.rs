@@ -437,7 +437,7 @@ mod tests {
     fn errors_read_like_the_server_said_them() {
         let e = ClientError::Api {
             status: 404,
-            error: space_api::ApiError::new("not_found", "no sandbox sb_x"),
+            error: space_api::ApiError::new(space_api::ErrorCode::NotFound, "no sandbox sb_x"),
             retry_after: None,
         };
         assert_eq!(e.to_string(), "404 Not Found (not_found): no sandbox sb_x");

@@ -13,6 +13,7 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use futures::StreamExt;
 use http_body::Body as _;
+use space_api::ErrorCode;
 
 use super::{error, AppState, HttpError};
 use crate::service::Tenant;
@@ -36,7 +37,7 @@ pub async fn auth(State(state): State<AppState>, mut req: Request, next: Next) -
     let Some(principal) = principal else {
         let mut resp = error(
             StatusCode::UNAUTHORIZED,
-            "unauthorized",
+            ErrorCode::Unauthorized,
             "missing, wrong or revoked bearer token",
         );
         resp.headers_mut().insert(
@@ -86,7 +87,11 @@ pub async fn ownership(
     next: Next,
 ) -> Response {
     let Some(tenant) = req.extensions().get::<Tenant>().cloned() else {
-        return error(StatusCode::UNAUTHORIZED, "unauthorized", "no tenant");
+        return error(
+            StatusCode::UNAUTHORIZED,
+            ErrorCode::Unauthorized,
+            "no tenant",
+        );
     };
     let (Some(matched), Some(params)) = (matched, params) else {
         return next.run(req).await;

@@ -1,5 +1,6 @@
 //! `/v1/sandboxes/{id}/commands`.
 
+use space_api::ErrorCode;
 use std::time::Duration;
 
 use axum::body::Body;
@@ -102,7 +103,7 @@ pub async fn output(
         Some(_) => {
             return error(
                 StatusCode::BAD_REQUEST,
-                "invalid_query",
+                ErrorCode::InvalidQuery,
                 "stream must be stdout, stderr or combined",
             )
         }
@@ -146,7 +147,7 @@ pub async fn signal(
     let Some(sig) = parse_signal(&body.signal) else {
         return error(
             StatusCode::BAD_REQUEST,
-            "invalid_signal",
+            ErrorCode::InvalidSignal,
             "signal must be a number 1-64 or a name such as TERM, KILL, INT, HUP, QUIT, USR1, USR2, STOP, CONT",
         );
     };
@@ -240,7 +241,7 @@ pub async fn stdin(
     let Ok(data) = axum::body::to_bytes(body, MAX_STDIN_BODY).await else {
         return error(
             StatusCode::PAYLOAD_TOO_LARGE,
-            "body_too_large",
+            ErrorCode::BodyTooLarge,
             format!("at most {MAX_STDIN_BODY} bytes of stdin per request"),
         );
     };

@@ -4,6 +4,7 @@
 //! (or `?after=N`) gets every retained event after that one, then live ones.
 //! Without either it gets only new events; `?after=0` replays all retained history.
 
+use space_api::ErrorCode;
 use std::time::Duration;
 
 use axum::body::Body;
@@ -47,7 +48,7 @@ pub async fn stream(
             Err(_) => {
                 return error(
                     StatusCode::BAD_REQUEST,
-                    "invalid_header",
+                    ErrorCode::InvalidHeader,
                     "Last-Event-ID must be an event id",
                 )
             }
@@ -55,7 +56,7 @@ pub async fn stream(
         Some(Err(_)) => {
             return error(
                 StatusCode::BAD_REQUEST,
-                "invalid_header",
+                ErrorCode::InvalidHeader,
                 "Last-Event-ID must be an event id",
             )
         }

@@ -14,6 +14,7 @@ use futures::StreamExt;
 use http_body_util::{BodyExt, Full, StreamBody};
 use hyper::body::Frame;
 use serde::{Deserialize, Serialize};
+use space_api::ErrorCode;
 
 use super::{error, parse_query, ApiJson, AppState, HttpError, Reject};
 use crate::service::agent::{BodyError, HostBody};
@@ -84,7 +85,7 @@ pub struct MoveRequest {
     overwrite: Option<bool>,
 }
 
-fn bad(code: &'static str, message: impl Into<String>) -> Reject {
+fn bad(code: ErrorCode, message: impl Into<String>) -> Reject {
     Reject::new(StatusCode::BAD_REQUEST, code, message)
 }
 
@@ -92,29 +93,32 @@ fn bad(code: &'static str, message: impl Into<String>) -> Reject {
 fn check_path(what: &str, p: &str) -> Result<(), Reject> {
     if !p.starts_with('/') {
         return Err(bad(
-            "invalid_path",
+            ErrorCode::InvalidPath,
             format!("{what} must be an absolute path inside the sandbox"),
         ));
     }
     if p.len() > MAX_PATH {
         return Err(bad(
-            "invalid_path",
+            ErrorCode::InvalidPath,
             format!("{what} is longer than {MAX_PATH} bytes"),
         ));
     }
     if p.contains('\0') {
-        return Err(bad("invalid_path", format!("{what} contains a NUL byte")));
+        return Err(bad(
+            ErrorCode::InvalidPath,
+            format!("{what} contains a NUL byte"),
+        ));
     }
     for c in p.split('/') {
         if c == ".." {
             return Err(bad(
-                "invalid_path",
+                ErrorCode::InvalidPath,
                 format!("{what} must not contain '..' components"),
             ));
         }
         if c.len() > MAX_NAME {
             return Err(bad(
-                "invalid_path",
+                ErrorCode::InvalidPath,
                 format!("{what} has a component longer than {MAX_NAME} bytes"),
             ));
         }
@@ -127,7 +131,7 @@ fn check_format(f: &Option<String>) -> Result<bool, Reject> {
         None | Some("raw") => Ok(false),
         Some("tar") => Ok(true),
         Some(other) => Err(bad(
-            "invalid_query",
+            ErrorCode::InvalidQuery,
             format!(
                 "unknown format {:?}: use raw or tar",
                 crate::service::truncate(other, 32)
@@ -143,7 +147,7 @@ fn check_mode(m: &Option<String>) -> Result<(), Reject> {
             && u32::from_str_radix(m, 8).is_ok_and(|v| v <= 0o7777);
         if !ok {
             return Err(bad(
-                "invalid_query",
+                ErrorCode::InvalidQuery,
                 "mode must be octal permission bits such as 0644",
             ));
         }
@@ -153,7 +157,7 @@ fn check_mode(m: &Option<String>) -> Result<(), Reject> {
 
 fn agent_uri<T: Serialize>(suffix: &str, query: &T) -> Result<String, Reject> {
     let q = serde_urlencoded::to_string(query)
-        .map_err(|e| bad("invalid_query", format!("invalid query: {e}")))?;
+        .map_err(|e| bad(ErrorCode::InvalidQuery, format!("invalid query: {e}")))?;
     Ok(format!("/v1/files{suffix}?{q}"))
 }
 
@@ -171,20 +175,50 @@ fn json_body<T: Serialize>(v: &T) -> HostBody {
 
 /// What the client gets back: the agent's status (2xx, 4xx, 507; anything else
 /// is a bad gateway), its body streamed, and only headers we set ourselves.
-fn relay(resp: http::Response<hyper::body::Incoming>, content_type: &'static str) -> Response {
+/// The largest error body read from an agent.
+const MAX_AGENT_ERROR: usize = 64 << 10;
+
+/// The agent's error answer as ours: its code only if it is one of ours (an agent in a
+/// sandbox is not trusted to say anything else), its message bounded.
+async fn agent_error(resp: http::Response<hyper::body::Incoming>) -> Response {
     let status = resp.status();
-    let relayed = status.is_success()
-        || status.is_client_error()
-        || status == StatusCode::INSUFFICIENT_STORAGE;
-    if !relayed {
+    let body = http_body_util::Limited::new(resp.into_body(), MAX_AGENT_ERROR)
+        .collect()
+        .await
+        .map(|b| b.to_bytes())
+        .unwrap_or_default();
+    let parsed: Option<space_agent::protocol::ErrorBody> = serde_json::from_slice(&body).ok();
+    match parsed.and_then(|e| ErrorCode::parse(&e.error.code).map(|c| (c, e.error.message))) {
+        Some((code, message)) => error(
+            status,
+            code,
+            crate::service::truncate(&message, 4096).to_string(),
+        ),
+        None => error(
+            StatusCode::BAD_GATEWAY,
+            ErrorCode::AgentError,
+            format!("the sandbox's agent answered {status} without a usable error"),
+        ),
+    }
+}
+
+async fn relay(
+    resp: http::Response<hyper::body::Incoming>,
+    content_type: &'static str,
+) -> Response {
+    let status = resp.status();
+    if status.is_client_error() || status == StatusCode::INSUFFICIENT_STORAGE {
+        return agent_error(resp).await;
+    }
+    if !status.is_success() {
         return error(
             StatusCode::BAD_GATEWAY,
-            "agent_error",
+            ErrorCode::AgentError,
             format!("the sandbox's agent answered {status}"),
         );
     }
     let mut out = Response::builder().status(status);
-    let json = !status.is_success() || content_type == "application/json";
+    let json = content_type == "application/json";
     out = out.header(
         header::CONTENT_TYPE,
         if json {
@@ -249,7 +283,7 @@ fn bounded_upload(
 fn too_large(max: u64) -> Response {
     error(
         StatusCode::PAYLOAD_TOO_LARGE,
-        "too_large",
+        ErrorCode::TooLarge,
         format!("upload larger than {max} bytes (the server's --max-upload-mib)"),
     )
 }
@@ -283,7 +317,7 @@ pub async fn download(
         let tar = check_format(&q.format).map_err(IntoResponse::into_response)?;
         if q.mode.is_some() || q.uid.is_some() || q.gid.is_some() || q.recursive.is_some() {
             return Err(bad(
-                "invalid_query",
+                ErrorCode::InvalidQuery,
                 "mode, uid, gid and recursive apply to uploads and removals only",
             )
             .into_response());
@@ -303,7 +337,8 @@ pub async fn download(
             } else {
                 "application/octet-stream"
             },
-        ))
+        )
+        .await)
     };
     run.await.unwrap_or_else(|r: Response| r)
 }
@@ -324,13 +359,17 @@ pub async fn upload(
         check_mode(&q.mode).map_err(IntoResponse::into_response)?;
         if q.recursive.is_some() || q.max_bytes.is_some() {
             return Err(bad(
-                "invalid_query",
+                ErrorCode::InvalidQuery,
                 "recursive and max_bytes are not upload parameters",
             )
             .into_response());
         }
         if q.gzip.is_some() && !tar {
-            return Err(bad("invalid_query", "gzip applies to format=tar uploads").into_response());
+            return Err(bad(
+                ErrorCode::InvalidQuery,
+                "gzip applies to format=tar uploads",
+            )
+            .into_response());
         }
         let declared = req
             .headers()
@@ -375,7 +414,7 @@ pub async fn upload(
         if exceeded.load(std::sync::atomic::Ordering::SeqCst) {
             return Err(too_large(max));
         }
-        Ok(relay(resp, "application/json"))
+        Ok(relay(resp, "application/json").await)
     };
     run.await.unwrap_or_else(|r: Response| r)
 }
@@ -391,14 +430,18 @@ pub async fn remove(
         let q: FileQuery = parse_query(q.as_deref()).map_err(IntoResponse::into_response)?;
         check_path("path", &q.path).map_err(IntoResponse::into_response)?;
         if q.path.split('/').all(|c| c.is_empty() || c == ".") {
-            return Err(
-                bad("invalid_path", "refusing to remove the root directory").into_response()
-            );
+            return Err(bad(
+                ErrorCode::InvalidPath,
+                "refusing to remove the root directory",
+            )
+            .into_response());
         }
         if q.format.is_some() || q.mode.is_some() || q.uid.is_some() || q.gid.is_some() {
-            return Err(
-                bad("invalid_query", "a removal takes path and recursive only").into_response(),
-            );
+            return Err(bad(
+                ErrorCode::InvalidQuery,
+                "a removal takes path and recursive only",
+            )
+            .into_response());
         }
         let query = FileQuery {
             path: q.path,
@@ -407,7 +450,7 @@ pub async fn remove(
         };
         let uri = agent_uri("", &query).map_err(IntoResponse::into_response)?;
         let resp = forward(&st, &tenant, &id, Method::DELETE, &uri, None, empty()).await?;
-        Ok(relay(resp, "application/json"))
+        Ok(relay(resp, "application/json").await)
     };
     run.await.unwrap_or_else(|r: Response| r)
 }
@@ -424,14 +467,14 @@ pub async fn list(
         check_path("path", &q.path).map_err(IntoResponse::into_response)?;
         if q.depth.is_some_and(|d| d == 0 || d > MAX_DEPTH) {
             return Err(bad(
-                "invalid_query",
+                ErrorCode::InvalidQuery,
                 format!("depth must be between 1 and {MAX_DEPTH}"),
             )
             .into_response());
         }
         let uri = agent_uri("/list", &q).map_err(IntoResponse::into_response)?;
         let resp = forward(&st, &tenant, &id, Method::GET, &uri, None, empty()).await?;
-        Ok(relay(resp, "application/json"))
+        Ok(relay(resp, "application/json").await)
     };
     run.await.unwrap_or_else(|r: Response| r)
 }
@@ -448,7 +491,7 @@ pub async fn stat(
         check_path("path", &q.path).map_err(IntoResponse::into_response)?;
         let uri = agent_uri("/stat", &q).map_err(IntoResponse::into_response)?;
         let resp = forward(&st, &tenant, &id, Method::GET, &uri, None, empty()).await?;
-        Ok(relay(resp, "application/json"))
+        Ok(relay(resp, "application/json").await)
     };
     run.await.unwrap_or_else(|r: Response| r)
 }
@@ -463,9 +506,11 @@ pub async fn mkdir(
     let run = async {
         check_path("path", &body.path).map_err(IntoResponse::into_response)?;
         if body.mode.is_some_and(|m| m > 0o7777) {
-            return Err(
-                bad("invalid_request", "mode must be at most 0o7777 (4095)").into_response()
-            );
+            return Err(bad(
+                ErrorCode::InvalidRequest,
+                "mode must be at most 0o7777 (4095)",
+            )
+            .into_response());
         }
         let resp = forward(
             &st,
@@ -477,7 +522,7 @@ pub async fn mkdir(
             json_body(&body),
         )
         .await?;
-        Ok(relay(resp, "application/json"))
+        Ok(relay(resp, "application/json").await)
     };
     run.await.unwrap_or_else(|r: Response| r)
 }
@@ -502,7 +547,7 @@ pub async fn rename(
             json_body(&body),
         )
         .await?;
-        Ok(relay(resp, "application/json"))
+        Ok(relay(resp, "application/json").await)
     };
     run.await.unwrap_or_else(|r: Response| r)
 }

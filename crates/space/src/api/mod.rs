@@ -11,6 +11,7 @@ mod operations;
 mod sandboxes;
 mod templates;
 
+use space_api::ErrorCode;
 use std::time::Duration;
 
 use axum::body::Body;
@@ -105,7 +106,11 @@ pub fn router(state: AppState) -> Router {
 }
 
 async fn not_found() -> Response {
-    error(StatusCode::NOT_FOUND, "not_found", "no such endpoint")
+    error(
+        StatusCode::NOT_FOUND,
+        ErrorCode::NotFound,
+        "no such endpoint",
+    )
 }
 
 /// Errors that axum's own extractors answer in plain text (a path segment that is not
@@ -126,12 +131,12 @@ async fn json_rejections(req: Request, next: Next) -> Response {
         Err(_) => String::new(),
     };
     let code = match status {
-        StatusCode::NOT_FOUND => "not_found",
-        StatusCode::METHOD_NOT_ALLOWED => "method_not_allowed",
-        StatusCode::PAYLOAD_TOO_LARGE => "body_too_large",
-        StatusCode::UNSUPPORTED_MEDIA_TYPE => "unsupported_media_type",
-        s if s.is_server_error() => "internal",
-        _ => "invalid_request",
+        StatusCode::NOT_FOUND => ErrorCode::NotFound,
+        StatusCode::METHOD_NOT_ALLOWED => ErrorCode::MethodNotAllowed,
+        StatusCode::PAYLOAD_TOO_LARGE => ErrorCode::BodyTooLarge,
+        StatusCode::UNSUPPORTED_MEDIA_TYPE => ErrorCode::UnsupportedMediaType,
+        s if s.is_server_error() => ErrorCode::Internal,
+        _ => ErrorCode::InvalidRequest,
     };
     let message = if text.trim().is_empty() {
         status.canonical_reason().unwrap_or("error").to_string()
@@ -157,7 +162,7 @@ async fn log_request(req: Request, next: Next) -> Response {
     resp
 }
 
-pub fn error(status: StatusCode, code: &str, message: impl Into<String>) -> Response {
+pub fn error(status: StatusCode, code: ErrorCode, message: impl Into<String>) -> Response {
     (
         status,
         Json(ErrorBody {
@@ -179,16 +184,22 @@ impl From<ServiceError> for HttpError {
 impl IntoResponse for HttpError {
     fn into_response(self) -> Response {
         let (status, code) = match &self.0 {
-            ServiceError::NotFound(_) => (StatusCode::NOT_FOUND, "not_found"),
-            ServiceError::BadRequest(_) => (StatusCode::BAD_REQUEST, "invalid_request"),
-            ServiceError::Conflict(_) => (StatusCode::CONFLICT, "conflict"),
-            ServiceError::InvalidTransition(_) => (StatusCode::CONFLICT, "invalid_transition"),
-            ServiceError::Unavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
-            ServiceError::Forbidden(_) => (StatusCode::FORBIDDEN, "forbidden"),
-            ServiceError::TooMany { .. } => (StatusCode::TOO_MANY_REQUESTS, "too_many_requests"),
+            ServiceError::NotFound(_) => (StatusCode::NOT_FOUND, ErrorCode::NotFound),
+            ServiceError::BadRequest(_) => (StatusCode::BAD_REQUEST, ErrorCode::InvalidRequest),
+            ServiceError::Conflict(_) => (StatusCode::CONFLICT, ErrorCode::Conflict),
+            ServiceError::InvalidTransition(_) => {
+                (StatusCode::CONFLICT, ErrorCode::InvalidTransition)
+            }
+            ServiceError::Unavailable(_) => {
+                (StatusCode::SERVICE_UNAVAILABLE, ErrorCode::Unavailable)
+            }
+            ServiceError::Forbidden(_) => (StatusCode::FORBIDDEN, ErrorCode::Forbidden),
+            ServiceError::TooMany { .. } => {
+                (StatusCode::TOO_MANY_REQUESTS, ErrorCode::TooManyRequests)
+            }
             ServiceError::Store(_) | ServiceError::Internal(_) => {
                 tracing::error!(error = %error_chain(&self.0), "internal error");
-                (StatusCode::INTERNAL_SERVER_ERROR, "internal")
+                (StatusCode::INTERNAL_SERVER_ERROR, ErrorCode::Internal)
             }
         };
         let message = match &self.0 {
@@ -238,7 +249,7 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for ApiJson<T> {
         let too_large = || {
             error(
                 StatusCode::PAYLOAD_TOO_LARGE,
-                "body_too_large",
+                ErrorCode::BodyTooLarge,
                 format!("request body larger than {MAX_JSON_BODY} bytes"),
             )
         };
@@ -258,7 +269,7 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for ApiJson<T> {
         let value = serde_json::from_slice(&bytes).map_err(|e| {
             error(
                 StatusCode::BAD_REQUEST,
-                "invalid_json",
+                ErrorCode::InvalidJson,
                 format!("invalid request body: {e}"),
             )
         })?;
@@ -269,12 +280,12 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for ApiJson<T> {
 /// A request refused before it reached the service.
 pub struct Reject {
     status: StatusCode,
-    code: &'static str,
+    code: ErrorCode,
     message: String,
 }
 
 impl Reject {
-    pub fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
+    pub fn new(status: StatusCode, code: ErrorCode, message: impl Into<String>) -> Self {
         Reject {
             status,
             code,
@@ -293,7 +304,7 @@ impl IntoResponse for Reject {
 pub fn parse_query<T: DeserializeOwned>(raw: Option<&str>) -> Result<T, Reject> {
     serde_urlencoded::from_str(raw.unwrap_or("")).map_err(|e| Reject {
         status: StatusCode::BAD_REQUEST,
-        code: "invalid_query",
+        code: ErrorCode::InvalidQuery,
         message: format!("invalid query: {e}"),
     })
 }
@@ -302,7 +313,7 @@ pub fn parse_query<T: DeserializeOwned>(raw: Option<&str>) -> Result<T, Reject> 
 pub fn parse_wait(s: &str) -> Result<Duration, Reject> {
     let bad = || Reject {
         status: StatusCode::BAD_REQUEST,
-        code: "invalid_query",
+        code: ErrorCode::InvalidQuery,
         message: format!(
             "invalid wait {:?}: use e.g. 30s, 500ms or 2m",
             crate::service::truncate(s, 32)

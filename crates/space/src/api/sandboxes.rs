@@ -5,6 +5,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Extension;
 use serde::Deserialize;
+use space_api::ErrorCode;
 use space_api::{CreateSandboxRequest, SandboxList};
 
 use super::{error, parse_query, respond, respond_with, ApiJson, AppState};
@@ -47,7 +48,7 @@ pub async fn list(
             None => {
                 return error(
                     StatusCode::BAD_REQUEST,
-                    "invalid_query",
+                    ErrorCode::InvalidQuery,
                     "label filters look like label=key=value",
                 )
             }
@@ -137,7 +138,7 @@ pub async fn keepalive(
     let Ok(body) = axum::body::to_bytes(body, super::MAX_JSON_BODY).await else {
         return error(
             StatusCode::PAYLOAD_TOO_LARGE,
-            "body_too_large",
+            ErrorCode::BodyTooLarge,
             format!("request body larger than {} bytes", super::MAX_JSON_BODY),
         );
     };
@@ -150,7 +151,7 @@ pub async fn keepalive(
             Err(e) => {
                 return error(
                     StatusCode::BAD_REQUEST,
-                    "invalid_json",
+                    ErrorCode::InvalidJson,
                     format!("invalid request body: {e}"),
                 )
             }

@@ -5,6 +5,7 @@ use axum::extract::{Path, Request, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Extension;
+use space_api::ErrorCode;
 use space_api::TemplateList;
 use space_runtime::build::{Recipe, MAX_RECIPE_BYTES};
 
@@ -31,7 +32,7 @@ pub async fn build(
     let too_large = || {
         error(
             StatusCode::PAYLOAD_TOO_LARGE,
-            "body_too_large",
+            ErrorCode::BodyTooLarge,
             format!("recipe larger than {MAX_RECIPE_BYTES} bytes"),
         )
     };
@@ -58,7 +59,7 @@ pub async fn build(
         Err(e) => {
             return error(
                 StatusCode::BAD_REQUEST,
-                "invalid_json",
+                ErrorCode::InvalidJson,
                 format!("invalid recipe: {e}"),
             )
         }

@@ -5,6 +5,7 @@
 //! Every operation has a deadline: one that passes it ends `failed`, and its
 //! sandbox goes to `failed`, from which destroy always works.
 
+use space_api::ErrorCode;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -49,11 +50,11 @@ fn request_event(kind: OperationKind) -> SandboxEvent {
 }
 
 fn conflict(e: impl std::fmt::Display) -> ApiError {
-    ApiError::new("conflict", e.to_string())
+    ApiError::new(ErrorCode::Conflict, e.to_string())
 }
 
 fn runtime_failed(e: &dyn std::error::Error) -> ApiError {
-    ApiError::new("runtime_failed", error_chain(e))
+    ApiError::new(ErrorCode::RuntimeFailed, error_chain(e))
 }
 
 impl Service {
@@ -145,7 +146,7 @@ impl Service {
                 OperationKind::Resume => self.resume_steps(&handle, &op_id).await,
                 OperationKind::Suspend => self.suspend_steps(&handle, &op_id).await,
                 OperationKind::Create | OperationKind::Build => Err(ApiError::new(
-                    "internal",
+                    ErrorCode::Internal,
                     "not a lifecycle operation on an existing sandbox",
                 )),
             }
@@ -155,7 +156,7 @@ impl Service {
             Ok(r) => r,
             Err(_) => {
                 let e = ApiError::new(
-                    "timed_out",
+                    ErrorCode::TimedOut,
                     format!("the {kind} did not finish within {}s", limit.as_secs()),
                 );
                 self.fail_sandbox(&handle, &format!("{} failed: {}", kind, e.message))
@@ -296,7 +297,7 @@ impl Service {
         // socket). The snapshot is untouched by a restore, so the sandbox is stopped and
         // restored from it once more; each attempt gets its share of the deadline.
         let mut connected = Err(ApiError::new(
-            "agent_timeout",
+            ErrorCode::AgentTimeout,
             "the restored sandbox's agent did not connect in time",
         ));
         for attempt in 1..=RESTORE_ATTEMPTS {
@@ -309,8 +310,9 @@ impl Service {
                 })
                 .map_err(internal)?;
             }
-            self.start_listener(handle, &rec)
-                .map_err(|e| ApiError::new("internal", format!("listening for the agent: {e}")))?;
+            self.start_listener(handle, &rec).map_err(|e| {
+                ApiError::new(ErrorCode::Internal, format!("listening for the agent: {e}"))
+            })?;
             let restored = self
                 .rt(id)
                 .restore(id, &self.sandbox_dir(id), &image)
@@ -402,7 +404,7 @@ impl Service {
             Ok(conn) => conn,
             Err(_) => {
                 let e = ApiError::new(
-                    "agent_unavailable",
+                    ErrorCode::AgentUnavailable,
                     format!(
                         "the sandbox's agent is not connected (waited {}s); the sandbox keeps running",
                         QUIESCE_TIMEOUT.as_secs()
@@ -426,7 +428,7 @@ impl Service {
         );
         if !gone {
             let e = ApiError::new(
-                "agent_busy",
+                ErrorCode::AgentBusy,
                 "the agent did not let go of its connection; the sandbox keeps running",
             );
             let rec = self.record(id).map_err(internal)?;
@@ -509,7 +511,10 @@ impl Service {
         token.cancel();
         let mut op = op;
         op.status = OperationStatus::Cancelled;
-        op.error = Some(ApiError::new("cancelled", "the operation was cancelled"));
+        op.error = Some(ApiError::new(
+            ErrorCode::Cancelled,
+            "the operation was cancelled",
+        ));
         op.updated_at = now_rfc3339();
         match (op.kind, op.sandbox_id.as_deref()) {
             (OperationKind::Create, Some(sb)) => {

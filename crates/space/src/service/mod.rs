@@ -20,6 +20,7 @@ mod snapshot;
 mod templates;
 pub mod tenancy;
 
+use space_api::ErrorCode;
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -466,7 +467,7 @@ impl Service {
         let result = match tokio::time::timeout(limit, self.create_steps(&handle, &op_id)).await {
             Ok(r) => r,
             Err(_) => Err(ApiError::new(
-                "timed_out",
+                ErrorCode::TimedOut,
                 format!("the create did not finish within {}s", limit.as_secs()),
             )),
         };
@@ -499,7 +500,7 @@ impl Service {
             .templates
             .ensure(&rec.sandbox.template, &progress)
             .await
-            .map_err(|e| ApiError::new("template_unavailable", e.to_string()))?;
+            .map_err(|e| ApiError::new(ErrorCode::TemplateUnavailable, e.to_string()))?;
         rec.sandbox.template_version = template.version.clone();
         rec.rootfs = template.rootfs.to_string_lossy().into_owned();
         rec.template_env = template.env.clone();
@@ -512,12 +513,17 @@ impl Service {
         let dir = self.sandbox_dir(id);
         let run_dir = dir.join("run");
         std::fs::create_dir_all(&run_dir).map_err(|e| {
-            ApiError::new("internal", format!("creating {}: {e}", run_dir.display()))
+            ApiError::new(
+                ErrorCode::Internal,
+                format!("creating {}: {e}", run_dir.display()),
+            )
         })?;
-        write_secret(&run_dir.join("token"), &rec.agent_token)
-            .map_err(|e| ApiError::new("internal", format!("writing the agent token: {e}")))?;
-        self.start_listener(handle, &rec)
-            .map_err(|e| ApiError::new("internal", format!("listening for the agent: {e}")))?;
+        write_secret(&run_dir.join("token"), &rec.agent_token).map_err(|e| {
+            ApiError::new(ErrorCode::Internal, format!("writing the agent token: {e}"))
+        })?;
+        self.start_listener(handle, &rec).map_err(|e| {
+            ApiError::new(ErrorCode::Internal, format!("listening for the agent: {e}"))
+        })?;
         let spec = SandboxSpec {
             id: id.clone(),
             rootfs: template.rootfs.clone(),
@@ -544,10 +550,10 @@ impl Service {
         self.0
             .runtimes
             .get(&rec.sandbox.runtime)
-            .map_err(|why| ApiError::new("runtime_unavailable", why))?
+            .map_err(|why| ApiError::new(ErrorCode::RuntimeUnavailable, why))?
             .create(&spec)
             .await
-            .map_err(|e| ApiError::new("runtime_failed", error_chain(&e)))?;
+            .map_err(|e| ApiError::new(ErrorCode::RuntimeFailed, error_chain(&e)))?;
         failpoint("create:after_boot");
         self.update_op(op_id, |op| {
             op.progress = Some("waiting for the agent".into())
@@ -558,7 +564,7 @@ impl Service {
             .await
             .map_err(|_| {
                 ApiError::new(
-                    "agent_timeout",
+                    ErrorCode::AgentTimeout,
                     format!(
                         "the sandbox's agent did not connect within {}s",
                         AGENT_CONNECT_TIMEOUT.as_secs()
@@ -568,7 +574,7 @@ impl Service {
         network::write_hosts(&conn, &rec.sandbox.network).await?;
         let mut rec = self.record(id).map_err(internal)?;
         rec.sandbox.state = transition(rec.sandbox.state, SandboxEvent::Ready)
-            .map_err(|e| ApiError::new("conflict", e.to_string()))?;
+            .map_err(|e| ApiError::new(ErrorCode::Conflict, e.to_string()))?;
         rec.sandbox.updated_at = now_rfc3339();
         // A template's start command runs once the sandbox runs; the create waits for it.
         if let Some(start) = &template.start {
@@ -830,7 +836,7 @@ fn new_operation(kind: OperationKind, sandbox_id: Option<&str>, tenant: &str) ->
 }
 
 fn internal(e: impl Into<ServiceError>) -> ApiError {
-    ApiError::new("internal", error_chain(&e.into()))
+    ApiError::new(ErrorCode::Internal, error_chain(&e.into()))
 }
 
 /// An error and its causes on one line.

@@ -8,6 +8,7 @@
 use bytes::Bytes;
 use http::{Method, Request, StatusCode};
 use http_body_util::{BodyExt, Full, Limited};
+use space_api::ErrorCode;
 use space_api::{ApiError, EgressRule, NetworkSpec};
 use space_core::runtime::{EgressAllow, EgressConfig};
 use space_runtime::net;
@@ -112,7 +113,7 @@ pub(crate) async fn write_hosts(conn: &AgentConn, n: &NetworkSpec) -> Result<(),
     if lines.is_empty() {
         return Ok(());
     }
-    let failed = |what: String| ApiError::new("network_failed", what);
+    let failed = |what: String| ApiError::new(ErrorCode::NetworkFailed, what);
     let uri = "http://agent/v1/files?path=/etc/hosts";
     let get = Request::builder()
         .method(Method::GET)

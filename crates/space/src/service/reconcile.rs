@@ -6,6 +6,7 @@
 //! ones are `failed`; half-done operations are finished or rolled back
 //! according to what the runtime says; leftovers nobody owns are removed.
 
+use space_api::ErrorCode;
 use space_api::{ApiError, OperationKind, OperationStatus, SandboxState};
 use space_core::runtime::RuntimeStatus;
 use space_core::SandboxEvent;
@@ -27,7 +28,7 @@ impl Service {
         let mut outcome: Vec<(String, Option<ApiError>)> = Vec::new();
         let interrupted = |what: &str| {
             Some(ApiError::new(
-                "interrupted",
+                ErrorCode::Interrupted,
                 format!("the server restarted during the {what}; it did not happen"),
             ))
         };

@@ -15,6 +15,7 @@
 
 use http::{Method, Request};
 use http_body_util::{BodyExt, Full};
+use space_api::ErrorCode;
 use space_api::{ApiError, Operation, OperationKind, OperationStatus, SandboxState};
 use space_runtime::template::{DefaultResources, Template, TemplateError};
 
@@ -78,7 +79,7 @@ impl Service {
         sandbox_id: &str,
         name: &str,
     ) -> std::result::Result<Template, ApiError> {
-        let internal = |e: ServiceError| ApiError::new("internal", e.to_string());
+        let internal = |e: ServiceError| ApiError::new(ErrorCode::Internal, e.to_string());
         self.update_op(op_id, |op| {
             op.status = OperationStatus::Running;
             op.progress = Some("copying the sandbox's files".into());
@@ -87,11 +88,11 @@ impl Service {
         let rec = self.record(sandbox_id).map_err(internal)?;
         let handle = self
             .live_handle(sandbox_id)
-            .ok_or_else(|| ApiError::new("conflict", "the sandbox is not running"))?;
+            .ok_or_else(|| ApiError::new(ErrorCode::Conflict, "the sandbox is not running"))?;
         let mut rx = handle.agent.subscribe();
         let conn = agent::wait_connected(&mut rx, std::time::Duration::from_secs(20))
             .await
-            .map_err(|e| ApiError::new("unavailable", e.to_string()))?;
+            .map_err(|e| ApiError::new(ErrorCode::Unavailable, e.to_string()))?;
         let req = Request::builder()
             .method(Method::GET)
             .uri("http://agent/v1/files?path=%2F&format=tar")
@@ -100,14 +101,14 @@ impl Service {
                     .map_err(|never| match never {})
                     .boxed_unsync(),
             )
-            .map_err(|e| ApiError::new("internal", e.to_string()))?;
+            .map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string()))?;
         let resp = conn
             .send(req)
             .await
-            .map_err(|e| ApiError::new("unavailable", error_chain(&e)))?;
+            .map_err(|e| ApiError::new(ErrorCode::Unavailable, error_chain(&e)))?;
         if !resp.status().is_success() {
             return Err(ApiError::new(
-                "agent_error",
+                ErrorCode::AgentError,
                 format!("the sandbox's agent answered {} to the copy", resp.status()),
             ));
         }
@@ -166,8 +167,10 @@ impl Service {
             let rootfs = std::path::PathBuf::from(&rec.rootfs);
             tokio::task::spawn_blocking(move || space_runtime::tree::apparent_size(&rootfs))
                 .await
-                .map_err(|e| ApiError::new("internal", e.to_string()))?
-                .map_err(|e| ApiError::new("internal", format!("measuring the template: {e}")))?
+                .map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string()))?
+                .map_err(|e| {
+                    ApiError::new(ErrorCode::Internal, format!("measuring the template: {e}"))
+                })?
         };
         let quota = r.disk_mib.unwrap_or(0).saturating_mul(1 << 20);
         let max_bytes = lower.saturating_add(quota).min(MAX_SNAPSHOT_BYTES);
@@ -200,7 +203,7 @@ impl Service {
         let published = self.0.templates.publish_rootfs(&key, fill, meta).await;
         pump.abort();
         let (template, _) =
-            published.map_err(|e| ApiError::new("snapshot_failed", error_chain(&e)))?;
+            published.map_err(|e| ApiError::new(ErrorCode::SnapshotFailed, error_chain(&e)))?;
         tracing::info!(sandbox = %sandbox_id, template = %template.name, version = %template.version, "template made from a sandbox");
         Ok(template)
     }

@@ -1,6 +1,7 @@
 //! Templates: builds from recipes (a `build` operation with a log file), listing, deleting,
 //! and a template's start command in each new sandbox.
 
+use space_api::ErrorCode;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -166,9 +167,9 @@ impl Service {
                 });
                 return;
             }
-            Ok(Err(e)) => ApiError::new("build_failed", error_chain(&e)),
+            Ok(Err(e)) => ApiError::new(ErrorCode::BuildFailed, error_chain(&e)),
             Err(_) => ApiError::new(
-                "timed_out",
+                ErrorCode::TimedOut,
                 format!(
                     "the build did not finish within {}s; last lines of the build log:\n{}",
                     limit.as_secs(),
@@ -277,7 +278,7 @@ impl Service {
         op_id: &str,
         start: &StartSpec,
     ) -> Result<(), ApiError> {
-        let failed = |m: String| ApiError::new("start_failed", m);
+        let failed = |m: String| ApiError::new(ErrorCode::StartFailed, m);
         let _ = self.update_op(op_id, |op| {
             op.progress = Some("starting the template's start command".into())
         });
