@@ -3,7 +3,8 @@
 #
 # Contract with the host (space_runtime::microvm):
 #   kernel command line: space.id=<sandbox id> [space.pids=<n>] [space.disk=1]
-#     [space.hostname=<name>]; anything else is ignored. Never the token: /proc/cmdline is
+#     [space.hostname=<name>] [space.failpoint=<name>] (a test hook of the agent); anything
+#     else is ignored. Never the token: /proc/cmdline is
 #     readable by every process of the guest, and QEMU's argv by every user of the host.
 #   /space-token: the agent's token (0600), in a third cpio archive the host appends to the
 #     sandbox's own initramfs. It is copied to /.space/run/token for the agent, which
@@ -35,7 +36,7 @@ exec </dev/console >/dev/console 2>&1
 mount -t proc -o nosuid,nodev,noexec proc /proc || fail "cannot mount /proc"
 mount -t sysfs -o nosuid,nodev,noexec sysfs /sys || fail "cannot mount /sys"
 
-id= pids= disk= hostname= net=
+id= pids= disk= hostname= net= failpoint=
 # shellcheck disable=SC2013 # words, not lines
 for word in $(cat /proc/cmdline); do
   case "$word" in
@@ -44,6 +45,7 @@ for word in $(cat /proc/cmdline); do
     space.disk=*) disk="${word#space.disk=}" ;;
     space.hostname=*) hostname="${word#space.hostname=}" ;;
     space.net=*) net="${word#space.net=}" ;;
+    space.failpoint=*) failpoint="${word#space.failpoint=}" ;;
   esac
 done
 [ -n "$id" ] || fail "no space.id= on the kernel command line"
@@ -139,6 +141,7 @@ exec env -i \
   SPACE_SANDBOX_ID="$id" \
   SPACE_AGENT_TOKEN_FILE=/.space/run/token \
   SPACE_PIDS_LIMIT="$pids" \
+  SPACE_FAILPOINT="$failpoint" \
   SPACE_AGENT_PORT=/dev/virtio-ports/space.agent \
   /bin/switch_root $r /.space/bin/space-agent
 fail "cannot switch to the root filesystem"

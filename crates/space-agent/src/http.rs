@@ -212,6 +212,9 @@ async fn spawn_command(agent: Arc<Agent>, body: Incoming) -> Response<Body> {
     if let Err(e) = req.validate() {
         return error(StatusCode::BAD_REQUEST, "bad_request", e.to_string());
     }
+    if crate::failpoint::wedge_if_asked(&req.argv) {
+        return error(StatusCode::CONFLICT, "failpoint", "the agent was wedged");
+    }
     let cmd = Arc::new(Cmd::new(req.id.clone()));
     {
         let mut map = agent.commands();

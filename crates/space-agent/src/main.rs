@@ -8,6 +8,7 @@
 
 mod cgroup;
 mod command;
+mod failpoint;
 mod files;
 mod http;
 mod masks;

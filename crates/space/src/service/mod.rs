@@ -479,7 +479,10 @@ impl Service {
                     "SPACE_PIDS_LIMIT".into(),
                     rec.sandbox.resources.pids.unwrap_or(0).to_string(),
                 ),
-            ],
+            ]
+            .into_iter()
+            .chain(agent_failpoint())
+            .collect(),
             vcpus: rec.sandbox.resources.vcpus.unwrap_or(0),
             memory_mib: rec.sandbox.resources.memory_mib.unwrap_or(0),
             pids: rec.sandbox.resources.pids.unwrap_or(0),
@@ -755,6 +758,20 @@ pub(crate) fn failpoint(name: &str) {
         // SAFETY: plain syscalls on our own pid.
         unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
     }
+}
+
+/// Test hook: a `SPACE_FAILPOINT=agent:<name>` of the server is the agent's (see
+/// `space_agent`'s `failpoint` module), passed to every sandbox it creates.
+fn agent_failpoint() -> Option<(String, String)> {
+    std::env::var("SPACE_FAILPOINT")
+        .ok()
+        .filter(|v| {
+            v.starts_with("agent:")
+                && v.len() <= 64
+                && v.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b":_-".contains(&b))
+        })
+        .map(|v| ("SPACE_FAILPOINT".to_string(), v))
 }
 
 /// Test hook: whether `SPACE_FAILPOINT=<name>` is set (for failpoints that change a path).
