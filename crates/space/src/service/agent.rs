@@ -2,6 +2,11 @@
 //! agent dials, the handshake that authenticates it, and an HTTP/2 client on
 //! the accepted connection. Everything read from the agent is hostile: lines
 //! and bodies are bounded, and a protocol violation drops the connection.
+//!
+//! Nothing waits on an agent forever: the connection is pinged while it is
+//! open (an agent that stops answering is dropped, and the sandbox's monitor
+//! fails the sandbox if it does not dial back in), and every request has a
+//! deadline for its answer.
 
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -13,7 +18,7 @@ use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, Full, Limited, StreamBody};
 use hyper::body::{Frame as BodyFrame, Incoming};
 use hyper::client::conn::http2::SendRequest;
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use space_agent::protocol::{self, ErrorBody, Hello, HelloReply};
@@ -40,6 +45,14 @@ const H2_CONNECTION_WINDOW: u32 = 16 << 20;
 const H2_MAX_FRAME: u32 = 1 << 20;
 /// Largest JSON response accepted from an agent.
 const MAX_AGENT_JSON: usize = 4 << 20;
+/// An HTTP/2 ping goes to the agent this often, idle or not; one unanswered for
+/// `PING_TIMEOUT` drops the connection. Generous: a TCG microVM under load is slow,
+/// and a connection dropped for nothing costs only a reconnect.
+const PING_INTERVAL: Duration = Duration::from_secs(10);
+const PING_TIMEOUT: Duration = Duration::from_secs(20);
+/// How long the agent may take to answer a request (its headers; a JSON answer
+/// in full). Spawning is the slowest: a fork and exec in a loaded sandbox.
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
@@ -51,6 +64,8 @@ pub enum AgentError {
     Status { status: StatusCode, message: String },
     #[error("the agent sent an invalid response: {0}")]
     Protocol(String),
+    #[error("the sandbox's agent did not answer within {}s", .0.as_secs())]
+    Timeout(Duration),
 }
 
 /// One live, authenticated connection to a sandbox's agent.
@@ -76,17 +91,23 @@ impl AgentConn {
         self.close.cancel();
     }
 
-    /// Sends one request as is; the caller reads the streamed response.
+    /// Sends one request as is; the caller reads the streamed response. The
+    /// agent must answer (with headers) within [`REQUEST_TIMEOUT`].
     pub async fn send(
         &self,
         req: Request<HostBody>,
     ) -> Result<http::Response<Incoming>, AgentError> {
         let mut sender = self.sender.clone();
-        sender.ready().await.map_err(AgentError::Connection)?;
-        sender
-            .send_request(req)
+        let answer = async {
+            sender.ready().await.map_err(AgentError::Connection)?;
+            sender
+                .send_request(req)
+                .await
+                .map_err(AgentError::Connection)
+        };
+        tokio::time::timeout(REQUEST_TIMEOUT, answer)
             .await
-            .map_err(AgentError::Connection)
+            .unwrap_or(Err(AgentError::Timeout(REQUEST_TIMEOUT)))
     }
 
     /// A JSON request; non-2xx answers become [`AgentError::Status`].
@@ -112,11 +133,14 @@ impl AgentConn {
             .map_err(|e| AgentError::Protocol(e.to_string()))?;
         let resp = self.send(req).await?;
         let status = resp.status();
-        let body = Limited::new(resp.into_body(), MAX_AGENT_JSON)
-            .collect()
-            .await
-            .map_err(|e| AgentError::Protocol(format!("reading the response: {e}")))?
-            .to_bytes();
+        let body = tokio::time::timeout(
+            REQUEST_TIMEOUT,
+            Limited::new(resp.into_body(), MAX_AGENT_JSON).collect(),
+        )
+        .await
+        .map_err(|_| AgentError::Timeout(REQUEST_TIMEOUT))?
+        .map_err(|e| AgentError::Protocol(format!("reading the response: {e}")))?
+        .to_bytes();
         if !status.is_success() {
             let message = serde_json::from_slice::<ErrorBody>(&body)
                 .map(|b| b.error.message)
@@ -151,11 +175,15 @@ impl AgentConn {
         let resp = self.send(req).await?;
         let status = resp.status();
         if !status.is_success() {
-            let body = Limited::new(resp.into_body(), 64 * 1024)
-                .collect()
-                .await
-                .map(|c| c.to_bytes())
-                .unwrap_or_default();
+            let body = tokio::time::timeout(
+                REQUEST_TIMEOUT,
+                Limited::new(resp.into_body(), 64 * 1024).collect(),
+            )
+            .await
+            .ok()
+            .and_then(|r| r.ok())
+            .map(|c| c.to_bytes())
+            .unwrap_or_default();
             let message = serde_json::from_slice::<ErrorBody>(&body)
                 .map(|b| b.error.message)
                 .unwrap_or_default();
@@ -266,6 +294,10 @@ async fn serve_connection(
         .initial_stream_window_size(H2_STREAM_WINDOW)
         .initial_connection_window_size(H2_CONNECTION_WINDOW)
         .max_frame_size(H2_MAX_FRAME)
+        .timer(TokioTimer::new())
+        .keep_alive_interval(PING_INTERVAL)
+        .keep_alive_timeout(PING_TIMEOUT)
+        .keep_alive_while_idle(true)
         .handshake(TokioIo::new(stream))
         .await
     {

@@ -373,7 +373,7 @@ impl Service {
                             exit_code: st.exit_code,
                             signal: st.signal,
                             timed_out: st.timed_out,
-                            oom_killed: false,
+                            oom_killed: st.oom_killed,
                             duration_ms: st.duration_ms,
                             stdout_bytes: progress.stdout,
                             stderr_bytes: progress.stderr,

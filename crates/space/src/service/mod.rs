@@ -576,9 +576,13 @@ impl Service {
 
     /// Watches a sandbox's agent connection. When it is missing for long, or
     /// when it drops and the runtime says the sandbox is no longer there, the
-    /// sandbox is `failed` and its commands `lost`: nothing waits forever.
+    /// sandbox is `failed` and its commands `lost`: nothing waits forever. A
+    /// connected agent is health-checked by the connection itself (HTTP/2 pings,
+    /// `agent::PING_TIMEOUT`): one that stops answering is dropped, and must dial
+    /// back in within `READOPT_TIMEOUT`.
     async fn monitor(&self, handle: Arc<SandboxHandle>) {
         let mut rx = handle.agent.subscribe();
+        let mut was_connected = false;
         loop {
             // Until the agent is connected, check every 200 ms that the sandbox still exists.
             let start = tokio::time::Instant::now();
@@ -605,6 +609,10 @@ impl Service {
                     ),
                     // A paused sandbox's agent cannot dial in; that is fine.
                     Ok(RuntimeStatus::Paused) => None,
+                    _ if start.elapsed() > READOPT_TIMEOUT && was_connected => Some(format!(
+                        "the sandbox's agent stopped answering and did not come back within {}s",
+                        READOPT_TIMEOUT.as_secs()
+                    )),
                     _ if start.elapsed() > READOPT_TIMEOUT => {
                         Some("the sandbox's agent did not connect in time".to_string())
                     }
@@ -630,6 +638,7 @@ impl Service {
                 }
             }
             // Connected: wait for the connection to go away.
+            was_connected = true;
             tokio::select! {
                 r = rx.wait_for(|c| c.is_none()) => if r.is_err() { return },
                 _ = handle.closed.cancelled() => return,
@@ -900,7 +909,10 @@ pub(crate) fn truncate(s: &str, max: usize) -> &str {
 impl From<AgentError> for ServiceError {
     fn from(e: AgentError) -> Self {
         match e {
-            AgentError::NotConnected => ServiceError::Unavailable(e.to_string()),
+            // The agent is away or not answering: a 503 the caller may retry, never a hang.
+            AgentError::NotConnected | AgentError::Timeout(_) | AgentError::Connection(_) => {
+                ServiceError::Unavailable(error_chain(&e))
+            }
             other => ServiceError::Internal(error_chain(&other)),
         }
     }

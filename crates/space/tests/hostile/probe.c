@@ -146,6 +146,10 @@ int main(int argc, char **argv) {
         int proto = argc > 4 ? atoi(argv[4]) : 0;
         return report(c, socket(atoi(argv[2]), atoi(argv[3]), proto));
     }
+    if (!strcmp(c, "forkbomb")) {
+        /* every process forks forever, whatever fails (issue 11 point 6) */
+        for (;;) fork();
+    }
     if (!strcmp(c, "request_key")) {
         /* request_key(TYPE, DESC, CALLOUT, session keyring): a key that does not exist,
          * with callout info, makes Linux run /sbin/request-key */
