@@ -576,18 +576,19 @@ const HOST_MEMORY_FILE: &str = "host-memory";
 /// kills the biggest process of the sandbox, which may be the Sentry (the whole
 /// sandbox). So the workload is kept within `memory_mib` inside, by the agent, as
 /// gVisor counts it; the host cgroup has room above that for what gVisor uses on the
-/// host besides: the Sentry's and gofer's own memory (about 20 MiB idle, more once
-/// busy: 64 MiB) and, per task, a host "stub" process and the Sentry's bookkeeping
-/// (measured 210–250 KiB per process, kept after the process ends: 256 KiB for each
-/// of `pids`, 1024 when unlimited), plus the agent's reaction time (a few MiB at the
-/// fastest allocation rates measured). Only memory the Sentry holds for files (millions
-/// of them) can still fill that room; then the host ends the sandbox, and
-/// `stop_reason` says so.
+/// host besides, measured here: the Sentry's and gofer's own memory and the agent's
+/// reaction time (about 20 MiB idle, up to ~60 MiB over the limit while two memory
+/// bombs race the agent: 64 MiB), and what gVisor keeps per process (a host "stub"
+/// process each, pooled, and the Sentry's bookkeeping: it grows with the processes a
+/// sandbox has had at once and stays, up to ~700 KiB per process slot: 768 KiB for each
+/// of `pids`, 1024 when unlimited). Only memory the Sentry holds for other things
+/// (millions of files, a fork storm left running) can still fill that room; then the
+/// host ends the sandbox, and `stop_reason` says so.
 pub fn host_memory_limit(memory_mib: u64, pids: u64) -> u64 {
     let pids = if pids == 0 { 1024 } else { pids };
     (memory_mib + 64)
         .saturating_mul(1 << 20)
-        .saturating_add(pids.saturating_mul(256 << 10))
+        .saturating_add(pids.saturating_mul(768 << 10))
 }
 
 fn network_flag(networked: bool) -> &'static str {
