@@ -135,3 +135,19 @@ fn kill(agent: &Agent, pid: i32) {
         None => eprintln!("space-agent: out of memory: killed process {pid}"),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_memory_and_resident_sets() {
+        let (total, free) = memory().expect("sysinfo");
+        assert!(total > 0 && free <= total);
+        let me = i32::try_from(std::process::id()).unwrap();
+        assert!(resident_pages(me).is_some_and(|r| r > 0));
+        assert_eq!(resident_pages(i32::MAX), None);
+        // Never the caller itself.
+        assert_ne!(biggest(), Some(me));
+    }
+}

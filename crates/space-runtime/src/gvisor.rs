@@ -586,7 +586,8 @@ const HOST_MEMORY_FILE: &str = "host-memory";
 /// host ends the sandbox, and `stop_reason` says so.
 pub fn host_memory_limit(memory_mib: u64, pids: u64) -> u64 {
     let pids = if pids == 0 { 1024 } else { pids };
-    (memory_mib + 64)
+    memory_mib
+        .saturating_add(64)
         .saturating_mul(1 << 20)
         .saturating_add(pids.saturating_mul(768 << 10))
 }
@@ -716,4 +717,17 @@ pub fn vm_rss(pid: i32) -> Option<u64> {
 fn tail_text(bytes: &[u8], max: usize) -> String {
     let start = bytes.len().saturating_sub(max);
     String::from_utf8_lossy(&bytes[start..]).trim().to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn host_memory_leaves_room_for_gvisor() {
+        assert_eq!(host_memory_limit(256, 256), (256 + 64 + 192) << 20);
+        // Unlimited pids are counted as the default 1024.
+        assert_eq!(host_memory_limit(512, 0), (512 + 64 + 768) << 20);
+        assert!(host_memory_limit(u64::MAX, u64::MAX) > 0);
+    }
 }

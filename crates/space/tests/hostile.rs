@@ -1852,14 +1852,16 @@ async fn unresponsive_agent(rt: &'static str) {
         .push(("SPACE_FAILPOINT".into(), "agent:wedge".into()));
     h.s.kill_and_restart();
 
-    // A wedge that passes.
+    // A wedge that passes: 25 s, so that the server's pings (every 10 s, 20 s to answer)
+    // may or may not have dropped the connection by then, and a dropped one comes back
+    // well within the 30 s the server waits for it.
     let v = h.victim(json!({})).await;
     let sleeper = start_cmd(&h, &v, json!({"argv": ["sleep", "100000"]})).await;
     let (st, out) = answered(
         &h,
         "a request that wedges the agent",
         &v,
-        json!({"argv": ["space-failpoint", "wedge", "40"]}),
+        json!({"argv": ["space-failpoint", "wedge", "25"]}),
     )
     .await;
     eprintln!("[{rt}] wedging request: {st} {out}");

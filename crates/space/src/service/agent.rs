@@ -51,7 +51,8 @@ const MAX_AGENT_JSON: usize = 4 << 20;
 const PING_INTERVAL: Duration = Duration::from_secs(10);
 const PING_TIMEOUT: Duration = Duration::from_secs(20);
 /// How long the agent may take to answer a request (its headers; a JSON answer
-/// in full). Spawning is the slowest: a fork and exec in a loaded sandbox.
+/// in full), file transfers aside. Spawning is the slowest: a fork and exec in a
+/// loaded sandbox.
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 
 #[derive(Debug, thiserror::Error)]
@@ -91,21 +92,28 @@ impl AgentConn {
         self.close.cancel();
     }
 
-    /// Sends one request as is; the caller reads the streamed response. The
-    /// agent must answer (with headers) within [`REQUEST_TIMEOUT`].
+    /// Sends one request as is; the caller reads the streamed response. No deadline:
+    /// an upload's answer comes after its last byte, however large. The connection's
+    /// pings bound it: an agent that stops answering them ends the request with an error.
     pub async fn send(
         &self,
         req: Request<HostBody>,
     ) -> Result<http::Response<Incoming>, AgentError> {
         let mut sender = self.sender.clone();
-        let answer = async {
-            sender.ready().await.map_err(AgentError::Connection)?;
-            sender
-                .send_request(req)
-                .await
-                .map_err(AgentError::Connection)
-        };
-        tokio::time::timeout(REQUEST_TIMEOUT, answer)
+        sender.ready().await.map_err(AgentError::Connection)?;
+        sender
+            .send_request(req)
+            .await
+            .map_err(AgentError::Connection)
+    }
+
+    /// [`Self::send`] for a request whose answer (its headers) must come within
+    /// [`REQUEST_TIMEOUT`]: everything but file transfers.
+    async fn send_bounded(
+        &self,
+        req: Request<HostBody>,
+    ) -> Result<http::Response<Incoming>, AgentError> {
+        tokio::time::timeout(REQUEST_TIMEOUT, self.send(req))
             .await
             .unwrap_or(Err(AgentError::Timeout(REQUEST_TIMEOUT)))
     }
@@ -131,7 +139,7 @@ impl AgentConn {
                     .boxed_unsync(),
             )
             .map_err(|e| AgentError::Protocol(e.to_string()))?;
-        let resp = self.send(req).await?;
+        let resp = self.send_bounded(req).await?;
         let status = resp.status();
         let body = tokio::time::timeout(
             REQUEST_TIMEOUT,
@@ -172,7 +180,7 @@ impl AgentConn {
             ))
             .body(body)
             .map_err(|e| AgentError::Protocol(e.to_string()))?;
-        let resp = self.send(req).await?;
+        let resp = self.send_bounded(req).await?;
         let status = resp.status();
         if !status.is_success() {
             let body = tokio::time::timeout(

@@ -710,11 +710,21 @@ impl Service {
                 ))
             })?;
         for f in frames {
-            tx.send(f).await.map_err(|_| {
-                ServiceError::Unavailable(format!(
-                    "the connection to command {id}'s agent broke; retry"
-                ))
-            })?;
+            // Bounded: a command that does not read its input fills the agent's queue
+            // (8 MiB) and then this one; the caller hears so instead of waiting.
+            match tokio::time::timeout(agent::REQUEST_TIMEOUT, tx.send(f)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(_)) => {
+                    return Err(ServiceError::Unavailable(format!(
+                        "the connection to command {id}'s agent broke; retry"
+                    )))
+                }
+                Err(_) => {
+                    return Err(ServiceError::Unavailable(format!(
+                        "command {id} is not taking input (its queue is full); retry"
+                    )))
+                }
+            }
         }
         Ok(())
     }
