@@ -37,6 +37,7 @@ fuzz_target!(|data: &[u8]| {
                 exit_code: (n % 3 == 0).then_some(n as i32),
                 signal: (n % 5 == 0).then_some((n >> 8) as i32),
                 timed_out: n % 2 == 0,
+                oom_killed: n % 11 == 0,
                 duration_ms: n,
                 error: (n % 7 == 0).then(|| String::from_utf8_lossy(body).into_owned()),
             }),

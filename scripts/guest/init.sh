@@ -3,11 +3,12 @@
 #
 # Contract with the host (space_runtime::microvm):
 #   kernel command line: space.id=<sandbox id> [space.pids=<n>] [space.disk=1]
-#     [space.hostname=<name>]; anything else is ignored. Never the token: /proc/cmdline is
+#     [space.hostname=<name>] [space.failpoint=<name>] (a test hook of the agent); anything
+#     else is ignored. Never the token: /proc/cmdline is
 #     readable by every process of the guest, and QEMU's argv by every user of the host.
 #   /space-token: the agent's token (0600), in a third cpio archive the host appends to the
 #     sandbox's own initramfs. It is copied to /.space/run/token for the agent, which
-#     deletes it; switch_root deletes the initramfs' copy.
+#     deletes it; the initramfs' copy is deleted here.
 #   space.net=ADDR/PREFIX,GATEWAY (egress sandboxes only): eth0, the one virtio-net NIC, gets
 #     that address and a default route; IPv6 is switched off.
 #   /dev/vda (first virtio-blk device): the root filesystem, ext4. With space.disk=1 it is
@@ -16,7 +17,8 @@
 #     (/dev/virtio-ports/space.agent inside the sandbox).
 #   /space-agent: the agent, appended to this initramfs by the host as a second cpio archive.
 # It mounts the root, gives it /proc /sys /dev /dev/pts /dev/shm, puts the agent on a read-only
-# tmpfs at /.space/bin and the token in /.space/run/token, and becomes the agent (PID 1).
+# tmpfs at /.space/bin and the token in /.space/run/token, and becomes the agent (PID 1), which
+# moves that root over this initramfs (SPACE_NEW_ROOT) and enters it.
 # On any failure it prints one `space-init: ...` line and powers the VM off.
 
 export PATH=/bin:/sbin
@@ -35,7 +37,7 @@ exec </dev/console >/dev/console 2>&1
 mount -t proc -o nosuid,nodev,noexec proc /proc || fail "cannot mount /proc"
 mount -t sysfs -o nosuid,nodev,noexec sysfs /sys || fail "cannot mount /sys"
 
-id= pids= disk= hostname= net=
+id= pids= disk= hostname= net= failpoint=
 # shellcheck disable=SC2013 # words, not lines
 for word in $(cat /proc/cmdline); do
   case "$word" in
@@ -44,6 +46,7 @@ for word in $(cat /proc/cmdline); do
     space.disk=*) disk="${word#space.disk=}" ;;
     space.hostname=*) hostname="${word#space.hostname=}" ;;
     space.net=*) net="${word#space.net=}" ;;
+    space.failpoint=*) failpoint="${word#space.failpoint=}" ;;
   esac
 done
 [ -n "$id" ] || fail "no space.id= on the kernel command line"
@@ -134,11 +137,17 @@ if [ -n "$net" ]; then
 fi
 hostname "${hostname:-$id}" 2>/dev/null
 
+# No switch_root here: its chroot would move the kernel's own root (shared by PID 1 and the
+# kernel threads, which look up usermode helpers such as modprobe there) into the sandbox's
+# filesystem. The agent enters $r itself, in a root of its own, and leaves the kernel this
+# initramfs, emptied (space_agent's `guest` module).
 exec env -i \
   PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
   SPACE_SANDBOX_ID="$id" \
   SPACE_AGENT_TOKEN_FILE=/.space/run/token \
   SPACE_PIDS_LIMIT="$pids" \
+  SPACE_FAILPOINT="$failpoint" \
   SPACE_AGENT_PORT=/dev/virtio-ports/space.agent \
-  /bin/switch_root $r /.space/bin/space-agent
-fail "cannot switch to the root filesystem"
+  SPACE_NEW_ROOT=$r \
+  $r/.space/bin/space-agent
+fail "cannot start the agent"

@@ -182,7 +182,11 @@ struct State {
     /// Raw `waitpid` status once the main process has been reaped.
     wait_status: Option<i32>,
     reaped_at: Option<Instant>,
+    /// When the command was over (see [`Cmd::ended`]).
+    ended_at: Option<Instant>,
     timed_out: bool,
+    /// One of its processes was killed for using up the sandbox's memory.
+    oom_killed: bool,
     /// Set once the process has exited and its output has all been read.
     exit: Option<ExitStatus>,
     attach_cancel: Option<CancellationToken>,
@@ -191,6 +195,8 @@ struct State {
     pty: Option<Arc<Pty>>,
     /// The `RLIMIT_RSS` tag its processes carry (see `tree`).
     tag: Option<u64>,
+    /// Process groups of its processes that a kill found (see `tree::kill_all`).
+    known_groups: Vec<i32>,
 }
 
 impl State {
@@ -255,6 +261,12 @@ pub struct Cmd {
     space: Notify,
     /// Cancelled once the main process has been reaped (or never started).
     pub reaped: CancellationToken,
+    /// Cancelled once the command is over: its main process has been reaped and,
+    /// for a command with a timeout, every process it started has ended or been
+    /// killed (see `http::lifetime`). Its output is then drained and it finishes.
+    pub ended: CancellationToken,
+    /// Its cgroup, where commands get one (a microVM).
+    group: std::sync::OnceLock<crate::cgroup::Group>,
     /// Cancelled when the host forgets the command: its tasks stop.
     pub forgotten: CancellationToken,
 }
@@ -268,6 +280,8 @@ impl Cmd {
             changed: watch::Sender::new(0),
             space: Notify::new(),
             reaped: CancellationToken::new(),
+            ended: CancellationToken::new(),
+            group: std::sync::OnceLock::new(),
             forgotten: CancellationToken::new(),
         }
     }
@@ -296,12 +310,33 @@ impl Cmd {
         (st.pid != 0 && !st.exited()).then_some(st.pid)
     }
 
+    /// The main process's pid (0: never started), reaped or not.
+    pub fn pid(&self) -> u32 {
+        self.lock().pid
+    }
+
+    pub fn set_group(&self, group: crate::cgroup::Group) {
+        let _ = self.group.set(group);
+    }
+
+    pub fn group(&self) -> Option<&crate::cgroup::Group> {
+        self.group.get()
+    }
+
     pub fn set_tag(&self, tag: Option<u64>) {
         self.lock().tag = tag;
     }
 
     pub fn tag(&self) -> Option<u64> {
         self.lock().tag
+    }
+
+    pub fn known_groups(&self) -> Vec<i32> {
+        self.lock().known_groups.clone()
+    }
+
+    pub fn set_known_groups(&self, groups: Vec<i32>) {
+        self.lock().known_groups = groups;
     }
 
     pub fn set_pty(&self, pty: Arc<Pty>) {
@@ -334,6 +369,16 @@ impl Cmd {
         self.lock().timed_out = true;
     }
 
+    pub fn mark_oom_killed(&self) {
+        self.lock().oom_killed = true;
+    }
+
+    /// The command is over: its output is drained next, and then it finishes.
+    pub fn end(&self) {
+        self.lock().ended_at.get_or_insert_with(Instant::now);
+        self.ended.cancel();
+    }
+
     /// Called by the reaper with the raw wait status.
     pub fn on_reaped(&self, status: i32) {
         {
@@ -356,11 +401,13 @@ impl Cmd {
                 exit_code: Some(code),
                 signal: None,
                 timed_out: false,
+                oom_killed: false,
                 duration_ms: millis(self.started.elapsed()),
                 error: Some(reason),
             });
         }
         self.reaped.cancel();
+        self.ended.cancel();
         self.bump();
     }
 
@@ -463,19 +510,23 @@ impl Cmd {
                 // children) then reads EOF and writes EIO rather than blocking.
                 st.stdin = None;
             }
-            let status = st.wait_status.unwrap_or(0);
-            let (exit_code, signal) = if libc::WIFEXITED(status) {
-                (Some(libc::WEXITSTATUS(status)), None)
-            } else if libc::WIFSIGNALED(status) {
-                (None, Some(libc::WTERMSIG(status)))
-            } else {
-                (None, None)
+            let (exit_code, signal) = match st.wait_status {
+                // Its timeout killed what was left of it, if not its main process: it did
+                // not end cleanly, whatever that process returned.
+                _ if st.timed_out => (None, Some(libc::SIGKILL)),
+                Some(status) if libc::WIFEXITED(status) => (Some(libc::WEXITSTATUS(status)), None),
+                Some(status) if libc::WIFSIGNALED(status) => (None, Some(libc::WTERMSIG(status))),
+                // Never reaped (it could not be waited for): no exit to report.
+                _ => (None, Some(libc::SIGKILL)),
             };
-            let end = st.reaped_at.unwrap_or_else(Instant::now);
+            let oom_killed = st.oom_killed || self.group().is_some_and(|g| g.oom_kills() > 0);
+            // A command with a timeout lasts until the last of its processes ended.
+            let end = st.ended_at.or(st.reaped_at).unwrap_or_else(Instant::now);
             st.exit = Some(ExitStatus {
                 exit_code,
                 signal,
                 timed_out: st.timed_out,
+                oom_killed,
                 duration_ms: millis(end.saturating_duration_since(self.started)),
                 error: None,
             });
@@ -590,20 +641,20 @@ async fn readable(p: Option<&Source>) -> std::io::Result<()> {
 }
 
 /// Moves a command's output from its pipes (or terminal) into its retained queue
-/// until the main process has been reaped and they are drained, then finishes it.
+/// until the command has ended (see [`Cmd::ended`]) and they are drained, then finishes it.
 pub async fn pump(cmd: Arc<Cmd>, stdout: Option<Source>, stderr: Option<Source>) {
     let mut pipes = [stdout, stderr];
     let mut buf = vec![0u8; MAX_DATA_CHUNK];
 
-    // While the process runs: read whatever arrives, as retention allows.
-    while !cmd.reaped.is_cancelled() {
+    // While the command runs: read whatever arrives, as retention allows.
+    while !cmd.ended.is_cancelled() {
         let room = cmd.rooms();
         let blocked = (0..2).any(|s| pipes[s].is_some() && room[s] == 0);
         let ready = tokio::select! {
             r = readable(pipes[0].as_ref()), if pipes[0].is_some() && room[0] > 0 => Some((0, r)),
             r = readable(pipes[1].as_ref()), if pipes[1].is_some() && room[1] > 0 => Some((1, r)),
             _ = cmd.space.notified(), if blocked => None,
-            _ = cmd.reaped.cancelled() => None,
+            _ = cmd.ended.cancelled() => None,
             _ = cmd.forgotten.cancelled() => return,
         };
         let Some((s, r)) = ready else { continue };
@@ -621,7 +672,7 @@ pub async fn pump(cmd: Arc<Cmd>, stdout: Option<Source>, stderr: Option<Source>)
         }
     }
 
-    // The process is gone: take what is already in the pipes, without waiting
+    // The command is over: take what is already in the pipes, without waiting
     // for background children that may hold them open.
     for (s, slot) in pipes.iter_mut().enumerate() {
         let Some(p) = slot.take() else { continue };

@@ -54,6 +54,14 @@ impl Agent {
         self.commands().get(id).cloned()
     }
 
+    /// The command whose processes carry `tag` (see `tree`).
+    pub fn command_with_tag(&self, tag: u64) -> Option<Arc<Cmd>> {
+        self.commands()
+            .values()
+            .find(|c| c.tag() == Some(tag))
+            .cloned()
+    }
+
     /// Forgets an exited command; false if it still runs.
     fn forget(&self, cmd: &Arc<Cmd>) -> bool {
         if !cmd.exited() {
@@ -212,6 +220,9 @@ async fn spawn_command(agent: Arc<Agent>, body: Incoming) -> Response<Body> {
     if let Err(e) = req.validate() {
         return error(StatusCode::BAD_REQUEST, "bad_request", e.to_string());
     }
+    if crate::failpoint::wedge_if_asked(&req.argv) {
+        return error(StatusCode::CONFLICT, "failpoint", "the agent was wedged");
+    }
     let cmd = Arc::new(Cmd::new(req.id.clone()));
     {
         let mut map = agent.commands();
@@ -262,26 +273,119 @@ async fn spawn_command(agent: Arc<Agent>, body: Incoming) -> Response<Body> {
                 out = Some(Source::Pty(pty));
             }
             tokio::spawn(command::pump(cmd.clone(), out, err));
-            if let Some(ms) = timeout {
-                let (agent, cmd) = (agent.clone(), cmd.clone());
-                let after = Duration::from_millis(ms).min(MAX_TIMEOUT);
-                tokio::spawn(async move {
-                    tokio::select! {
-                        _ = tokio::time::sleep(after) => {
-                            let _ = tokio::task::spawn_blocking(move || {
-                                agent.reaper.kill_for_timeout(&cmd)
-                            })
-                            .await;
-                        }
-                        _ = cmd.reaped.cancelled() => {}
-                    }
-                });
-            }
+            let after = timeout.map(|ms| Duration::from_millis(ms).min(MAX_TIMEOUT));
+            tokio::spawn(lifetime(agent.clone(), cmd.clone(), after));
             json(StatusCode::OK, &SpawnReply { pid })
         }
         spawn::Outcome::Failed { code, reason } => {
             cmd.set_failed(&argv0, code, reason);
             json(StatusCode::OK, &SpawnReply { pid: 0 })
+        }
+    }
+}
+
+/// How long a command lasts. Without a timeout: until its main process has been
+/// reaped (what it leaves running in the background is on its own). With one:
+/// until every process it started has ended, or the timeout passes and all of
+/// them are killed (then it is `timed_out`): a timeout bounds everything the
+/// command started, also after its main process has exited.
+async fn lifetime(agent: Arc<Agent>, cmd: Arc<Cmd>, timeout: Option<Duration>) {
+    let deadline = timeout.map(|t| tokio::time::Instant::now() + t);
+    let expired = async {
+        match deadline {
+            Some(d) => tokio::time::sleep_until(d).await,
+            None => std::future::pending().await,
+        }
+    };
+    tokio::pin!(expired);
+    let kill = || {
+        let (agent, cmd) = (agent.clone(), cmd.clone());
+        tokio::task::spawn_blocking(move || agent.reaper.kill_for_timeout(&cmd))
+    };
+    // When the timeout killed it: from then on what is left is killed again until
+    // nothing is, for `DYING` at most.
+    let mut killed: Option<tokio::time::Instant> = None;
+    tokio::select! {
+        _ = cmd.reaped.cancelled() => {}
+        _ = &mut expired => {
+            killed = Some(tokio::time::Instant::now());
+            let _ = kill().await;
+        }
+    }
+    if deadline.is_some() {
+        // The rest of what it started, until it is gone or the deadline.
+        loop {
+            let check = {
+                let (agent, cmd) = (agent.clone(), cmd.clone());
+                tokio::task::spawn_blocking(move || agent.reaper.any_alive(&cmd))
+            };
+            // A check that scans a busy sandbox's /proc is slow; the deadline does not wait for it.
+            let alive = if killed.is_none() {
+                tokio::select! {
+                    alive = check => alive.unwrap_or(false),
+                    _ = &mut expired => {
+                        killed = Some(tokio::time::Instant::now());
+                        let _ = kill().await;
+                        true
+                    }
+                }
+            } else {
+                check.await.unwrap_or(false)
+            };
+            if !alive {
+                break;
+            }
+            match killed {
+                Some(at) => {
+                    let give_up = at + DYING;
+                    if tokio::time::Instant::now() >= give_up {
+                        note!(
+                            "space-agent: processes of {} outlived its timeout's kill",
+                            cmd.id
+                        );
+                        break;
+                    }
+                    tokio::select! {
+                        _ = changed(&agent, &cmd) => {}
+                        _ = tokio::time::sleep_until(give_up) => {}
+                    }
+                    // What outlived the kill (a fork bomb's newest children): again.
+                    let _ = kill().await;
+                }
+                None => {
+                    tokio::select! {
+                        _ = changed(&agent, &cmd) => {}
+                        _ = &mut expired => {
+                            killed = Some(tokio::time::Instant::now());
+                            let _ = kill().await;
+                        }
+                    }
+                }
+            }
+        }
+        if let Some(at) = killed {
+            // Its main process is reaped by now, or very soon (SIGKILL).
+            let _ = tokio::time::timeout_at(at + DYING, cmd.reaped.cancelled()).await;
+        }
+    }
+    cmd.end();
+}
+
+/// How long the processes of a command whose timeout killed them may take to be
+/// gone before the command is finished anyway (a process stuck in the kernel).
+const DYING: Duration = Duration::from_secs(30);
+
+/// Waits for a change in whether a command has processes left: its cgroup's
+/// events where it has one; otherwise an orphan reaped by the agent, or a
+/// second (a process that was not the agent's child ends without telling it).
+async fn changed(agent: &Agent, cmd: &Cmd) {
+    match cmd.group() {
+        Some(group) => group.wait_empty().await,
+        None => {
+            tokio::select! {
+                _ = agent.reaper.orphan_reaped.notified() => {}
+                _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+            }
         }
     }
 }

@@ -18,9 +18,12 @@ macro_rules! note {
 
 mod cgroup;
 mod command;
+mod failpoint;
 mod files;
+mod guest;
 mod http;
 mod masks;
+mod oom;
 mod port;
 mod pty;
 mod reaper;
@@ -112,8 +115,7 @@ impl Config {
     }
 }
 
-#[tokio::main]
-async fn main() -> ExitCode {
+fn main() -> ExitCode {
     // Before the token is read: a non-dumpable process's memory (and, under Linux, its
     // environment, descriptors and other /proc files; gVisor checks only memory and ptrace)
     // is closed to every process without CAP_SYS_PTRACE, root included, and commands never
@@ -127,6 +129,20 @@ async fn main() -> ExitCode {
         );
         return ExitCode::from(2);
     }
+    // A microVM's init hands over the root it mounted; the switch must happen while this
+    // process has one thread (see `guest`), so before the async runtime exists.
+    let microvm_init = std::process::id() == 1 && std::env::var_os("SPACE_NEW_ROOT").is_some();
+    if microvm_init {
+        let new_root = std::env::var_os("SPACE_NEW_ROOT").unwrap_or_default();
+        let set_up = guest::enter_root(std::path::Path::new(&new_root))
+            .and_then(|()| guest::close_helpers());
+        if let Err(e) = set_up {
+            // Fail closed: a guest whose kernel would run a planted helper as root must
+            // not run commands. (The init's console line ends the boot with a reason.)
+            note!("space-agent: cannot set up the guest: {}", error_chain(&e));
+            return ExitCode::from(2);
+        }
+    }
     let cfg = match Config::from_env() {
         Ok(c) => c,
         Err(e) => {
@@ -134,7 +150,33 @@ async fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            note!("space-agent: cannot start the async runtime: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    runtime.block_on(run(cfg))
+}
 
+/// An error and its causes on one line.
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(c) = src {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        src = c.source();
+    }
+    s
+}
+
+async fn run(cfg: Config) -> ExitCode {
+    let mut memory_confined = false;
     if std::process::id() != 1 {
         // Outside a sandbox, orphans of our commands come to us as they would to PID 1.
         // SAFETY: plain syscall.
@@ -143,10 +185,13 @@ async fn main() -> ExitCode {
         // Only as a sandbox's init: never touch the cgroups of a host we are tested on.
         cgroup::protect_agent();
         match cgroup::setup(spawn::tasks_limit()) {
-            cgroup::Setup::Confined { pids, memory_bytes } => note!(
-                "space-agent: commands run in their own cgroup (pids.max {pids}, memory.max {})",
-                memory_bytes.map_or("unset".to_string(), |b| format!("{} MiB", b >> 20))
-            ),
+            cgroup::Setup::Confined { pids, memory_bytes } => {
+                memory_confined = memory_bytes.is_some();
+                note!(
+                    "space-agent: commands run in cgroups (pids.max {pids}, memory.max {})",
+                    memory_bytes.map_or("unset".to_string(), |b| format!("{} MiB", b >> 20))
+                )
+            }
             cgroup::Setup::Unavailable(why) => {
                 note!("space-agent: no cgroup for commands ({why}); RLIMIT_NPROC only")
             }
@@ -171,9 +216,18 @@ async fn main() -> ExitCode {
         }
     };
     tokio::spawn(reaper::run(agent.reaper.clone(), sigchld));
+    // The sandbox's kernel does not keep commands within its memory (gVisor): the agent does.
+    if std::process::id() == 1 && !memory_confined && !microvm_guest() {
+        oom::start(agent.clone());
+    }
 
     dial_loop(&cfg, agent).await;
     ExitCode::SUCCESS
+}
+
+/// Whether this is a microVM guest's agent (its kernel enforces commands' memory there).
+fn microvm_guest() -> bool {
+    std::env::var_os("SPACE_AGENT_PORT").is_some()
 }
 
 /// A byte stream to the host that the handshake and HTTP/2 run over.

@@ -267,8 +267,13 @@ pub struct ExitStatus {
     pub exit_code: Option<i32>,
     /// Signal number when a signal ended it.
     pub signal: Option<i32>,
-    /// The agent killed it because its timeout passed.
+    /// The agent killed it because its timeout passed: every process it started
+    /// was killed, and then `signal` is SIGKILL, whatever its main process returned.
     pub timed_out: bool,
+    /// One of its processes was killed for using up the sandbox's memory (the
+    /// kernel's OOM killer in a microVM, the agent under gVisor).
+    #[serde(default)]
+    pub oom_killed: bool,
     /// From spawn to exit.
     pub duration_ms: u64,
     /// Set when the program could not be started.
@@ -556,6 +561,7 @@ mod tests {
             exit_code: Some(3),
             signal: None,
             timed_out: false,
+            oom_killed: true,
             duration_ms: 12,
             error: None,
         }));

@@ -7,8 +7,9 @@
 //! (`in_flight`). A pid that is signalled under the lock cannot be reaped (and so
 //! reused) meanwhile.
 //!
-//! Signals reach the whole command, not only its process group: see `tree` for
-//! how processes that left it (`setsid`, daemons) are found.
+//! Signals reach the whole command, not only its process group: its cgroup where
+//! it has one, else see `tree` for how processes that left it (`setsid`, daemons)
+//! are found.
 
 use std::collections::HashMap;
 use std::io;
@@ -17,7 +18,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use tokio::signal::unix::Signal;
 
 use crate::command::Cmd;
-use crate::tree::{self, Marks};
+use crate::tree;
 
 #[derive(Debug, Default)]
 pub struct Reaper {
@@ -26,6 +27,9 @@ pub struct Reaper {
     /// are any, an exited child nobody knows may be one of theirs: it is left as a
     /// zombie (its pid stays taken) until the spawner registers and reaps again.
     in_flight: std::sync::atomic::AtomicUsize,
+    /// Notified when a process that is no command's main process was reaped: an
+    /// orphan the agent inherited, which may have been a command's last process.
+    pub orphan_reaped: tokio::sync::Notify,
 }
 
 /// Why a signal was not delivered.
@@ -102,8 +106,9 @@ impl Reaper {
             // SAFETY: plain syscall with a valid out-pointer.
             let got = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
             if got == pid {
-                if let Some(cmd) = pids.remove(&pid) {
-                    cmd.on_reaped(status);
+                match pids.remove(&pid) {
+                    Some(cmd) => cmd.on_reaped(status),
+                    None => self.orphan_reaped.notify_waiters(),
                 }
                 continue;
             }
@@ -121,15 +126,22 @@ impl Reaper {
         let _pids = self.lock();
         let pid = cmd.running_pid().ok_or(SignalError::NotRunning)?;
         let pid = i32::try_from(pid).map_err(|_| SignalError::NotRunning)?;
-        let marks = Marks {
-            root: pid,
-            tag: cmd.tag(),
-        };
         if sig == libc::SIGKILL {
-            tree::kill_all(marks);
+            kill_everything(cmd);
             return Ok(());
         }
-        let escaped = tree::escaped(marks);
+        let escaped: Vec<i32> = match cmd.group() {
+            Some(group) => {
+                // SAFETY: plain syscall.
+                let pgid_of = |p: i32| unsafe { libc::getpgid(p) };
+                group
+                    .pids()
+                    .into_iter()
+                    .filter(|&p| pgid_of(p) != pid)
+                    .collect()
+            }
+            None => tree::escaped(marks(cmd, true)),
+        };
         // SAFETY: plain syscalls. The pid is ours and unreaped (we hold the lock).
         let result = if unsafe { libc::kill(-pid, sig) } == 0 {
             Ok(())
@@ -149,26 +161,63 @@ impl Reaper {
         result
     }
 
-    /// Kills every process of a command whose timeout passed, if it still runs.
-    /// Blocking (scans `/proc`).
+    /// A command's timeout passed: kills everything it started, whether or not its
+    /// main process still runs, and marks it timed out if anything was left to kill.
+    /// Blocking (may scan `/proc`).
     pub fn kill_for_timeout(&self, cmd: &Cmd) {
         let _pids = self.lock();
-        let Some(pid) = cmd.running_pid().and_then(|p| i32::try_from(p).ok()) else {
-            return;
-        };
-        cmd.mark_timed_out();
-        tree::kill_all(Marks {
-            root: pid,
-            tag: cmd.tag(),
-        });
+        if kill_everything(cmd) {
+            cmd.mark_timed_out();
+        }
+    }
+
+    /// Whether any process the command started is alive. Blocking (may scan `/proc`).
+    pub fn any_alive(&self, cmd: &Cmd) -> bool {
+        match cmd.group() {
+            Some(group) => group.populated(),
+            // Without the lock: a check only reads, and a kill must not wait for it.
+            None => tree::any_alive(marks(cmd, cmd.running_pid().is_some()), &cmd.known_groups()),
+        }
     }
 }
 
+/// What `tree` recognises a command's processes by.
+fn marks(cmd: &Cmd, root_alive: bool) -> tree::Marks {
+    tree::Marks {
+        root: i32::try_from(cmd.pid()).unwrap_or(0),
+        root_alive,
+        tag: cmd.tag(),
+    }
+}
+
+/// SIGKILLs every process of the command; whether any was alive. The caller
+/// holds the reaper lock.
+fn kill_everything(cmd: &Cmd) -> bool {
+    let root_alive = cmd.running_pid().is_some();
+    if let Some(group) = cmd.group() {
+        let alive = group.populated();
+        if let Err(e) = group.kill() {
+            note!("space-agent: cgroup.kill of {} failed: {e}", cmd.id);
+        }
+        return alive || root_alive;
+    }
+    if cmd.pid() == 0 {
+        return false;
+    }
+    let mut known = cmd.known_groups();
+    let found = tree::kill_all(marks(cmd, root_alive), &mut known);
+    cmd.set_known_groups(known);
+    found > 0 || root_alive
+}
+
 /// Reaps once now (children may have exited before the handler existed), then
-/// on every SIGCHLD. `sigchld` must be created before the first spawn.
+/// on every SIGCHLD. `sigchld` must be created before the first spawn. The
+/// reaping runs on a blocking thread: the lock it takes may be held by a kill
+/// that scans `/proc`, and no async worker may wait for that.
 pub async fn run(reaper: Arc<Reaper>, mut sigchld: Signal) {
     loop {
-        reaper.reap();
+        let r = reaper.clone();
+        let _ = tokio::task::spawn_blocking(move || r.reap()).await;
         if sigchld.recv().await.is_none() {
             return;
         }

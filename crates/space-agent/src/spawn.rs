@@ -209,6 +209,15 @@ pub fn start(reaper: &Reaper, cmd: &Arc<Cmd>, req: &SpawnRequest) -> Outcome {
     let on_pty = master.is_some();
     let tag = tree::new_tag();
     cmd.set_tag(tag);
+    // Where commands get cgroups (a microVM), one of its own, which nothing it starts can leave.
+    let procs = match crate::cgroup::Group::create() {
+        Some(group) => {
+            let fd = group.procs_fd();
+            cmd.set_group(group);
+            fd
+        }
+        None => -1,
+    };
 
     // std changes uid/gid and the directory before pre_exec closures run, and
     // would leave supplementary groups empty; do all of it here instead, in order.
@@ -223,7 +232,7 @@ pub fn start(reaper: &Reaper, cmd: &Arc<Cmd>, req: &SpawnRequest) -> Outcome {
                 return Err(io::Error::last_os_error());
             }
             // While still root: the cgroup's files are root's.
-            crate::cgroup::enter()?;
+            crate::cgroup::enter(procs)?;
             // std has made the terminal our stdin by now; a session leader
             // without a controlling terminal takes it with this.
             if on_pty && libc::ioctl(0, libc::TIOCSCTTY, 0) != 0 {

@@ -15,14 +15,16 @@ fn exit_status() -> impl Strategy<Value = ExitStatus> {
         any::<Option<i32>>(),
         any::<Option<i32>>(),
         any::<bool>(),
+        any::<bool>(),
         any::<u64>(),
         proptest::option::of(".{0,40}"),
     )
         .prop_map(
-            |(exit_code, signal, timed_out, duration_ms, error)| ExitStatus {
+            |(exit_code, signal, timed_out, oom_killed, duration_ms, error)| ExitStatus {
                 exit_code,
                 signal,
                 timed_out,
+                oom_killed,
                 duration_ms,
                 error,
             },

@@ -140,6 +140,9 @@ impl GvisorRuntime {
             );
         }
         if spec.memory_mib > 0 {
+            // What runsc gives the cgroup it makes, and what it tells gVisor as MemTotal: the
+            // agent keeps the workload within that (space_agent's `oom`). `create` then
+            // raises the host cgroup to `host_memory_limit`, before the workload starts.
             let bytes = spec.memory_mib.saturating_mul(1 << 20);
             resources.insert("memory".into(), json!({"limit": bytes}));
         }
@@ -202,6 +205,36 @@ impl GvisorRuntime {
                 "cgroupsPath": format!("/{CGROUP_PARENT}/{}", spec.id),
             }
         })
+    }
+
+    /// Raises the host memory cgroup of a created (or restored) sandbox to its
+    /// [`host_memory_limit`], recorded in the state dir at create.
+    fn raise_host_memory(id: &str, state_dir: &Path) -> Result<(), RuntimeError> {
+        let Some(bytes) = std::fs::read_to_string(state_dir.join(HOST_MEMORY_FILE))
+            .ok()
+            .and_then(|t| t.trim().parse::<u64>().ok())
+        else {
+            return Ok(());
+        };
+        let v1 = Path::new("/sys/fs/cgroup/memory")
+            .join(CGROUP_PARENT)
+            .join(id);
+        let v2 = Path::new("/sys/fs/cgroup").join(CGROUP_PARENT).join(id);
+        let write = |path: PathBuf| {
+            std::fs::write(&path, bytes.to_string())
+                .map_err(|e| RuntimeError::io(format!("raising {}", path.display()), e))
+        };
+        if v1.join("memory.limit_in_bytes").exists() {
+            // memory+swap may not be below memory: raise it first where the host counts swap.
+            if v1.join("memory.memsw.limit_in_bytes").exists() {
+                write(v1.join("memory.memsw.limit_in_bytes"))?;
+            }
+            write(v1.join("memory.limit_in_bytes"))
+        } else if v2.join("memory.max").exists() {
+            write(v2.join("memory.max"))
+        } else {
+            Ok(())
+        }
     }
 
     /// Runs `runsc create` or `runsc restore` for a sandbox. The sandbox inherits
@@ -310,6 +343,12 @@ impl Runtime for GvisorRuntime {
             .await
             .map_err(|e| RuntimeError::io("writing the OCI spec", e))?;
 
+        if spec.memory_mib > 0 {
+            let limit = host_memory_limit(spec.memory_mib, spec.pids);
+            tokio::fs::write(spec.state_dir.join(HOST_MEMORY_FILE), limit.to_string())
+                .await
+                .map_err(|e| RuntimeError::io("writing the host memory limit", e))?;
+        }
         self.launch(
             &spec.state_dir,
             &[
@@ -320,6 +359,8 @@ impl Runtime for GvisorRuntime {
             ],
         )
         .await?;
+        // Before `start`: no workload runs yet.
+        Self::raise_host_memory(&spec.id, &spec.state_dir)?;
         let overlay_flag = format!("root:dir={}", overlay.display());
         let overlay_arg = format!("--overlay2={overlay_flag}");
         self.run_net(
@@ -482,7 +523,9 @@ impl Runtime for GvisorRuntime {
                 id.into(),
             ],
         )
-        .await
+        .await?;
+        // runsc made the cgroup from the spec again.
+        Self::raise_host_memory(id, state_dir)
     }
 
     fn stop_reason(&self, id: &str) -> Option<String> {
@@ -501,9 +544,9 @@ impl Runtime for GvisorRuntime {
                 });
             if kills.is_some_and(|n| n > 0) {
                 return Some(
-                    "out of memory: the sandbox used all of its memory_mib and the host ended \
-                     it (gVisor's kernel runs in that memory too, with what it keeps per file: \
-                     millions of files count there)"
+                    "out of memory: gVisor's own memory outgrew the room the host gives it \
+                     beyond memory_mib and the host ended the sandbox (its kernel keeps state \
+                     per file and per process: millions of files count there)"
                         .into(),
                 );
             }
@@ -549,6 +592,31 @@ impl Runtime for GvisorRuntime {
             })
             .unwrap_or_default())
     }
+}
+
+/// The state-dir file holding a sandbox's [`host_memory_limit`] (bytes), for restores.
+const HOST_MEMORY_FILE: &str = "host-memory";
+
+/// The host memory cgroup limit of a gVisor sandbox of `memory_mib` and `pids`.
+///
+/// gVisor enforces no memory limit itself: when the host cgroup is full, the host
+/// kills the biggest process of the sandbox, which may be the Sentry (the whole
+/// sandbox). So the workload is kept within `memory_mib` inside, by the agent, as
+/// gVisor counts it; the host cgroup has room above that for what gVisor uses on the
+/// host besides, measured here: the Sentry's and gofer's own memory and the agent's
+/// reaction time (about 20 MiB idle, up to ~60 MiB over the limit while two memory
+/// bombs race the agent: 64 MiB), and what gVisor keeps per process (a host "stub"
+/// process each, pooled, and the Sentry's bookkeeping: it grows with the processes a
+/// sandbox has had at once and stays, up to ~700 KiB per process slot: 768 KiB for each
+/// of `pids`, 1024 when unlimited). Only memory the Sentry holds for other things
+/// (millions of files, a fork storm left running) can still fill that room; then the
+/// host ends the sandbox, and `stop_reason` says so.
+pub fn host_memory_limit(memory_mib: u64, pids: u64) -> u64 {
+    let pids = if pids == 0 { 1024 } else { pids };
+    memory_mib
+        .saturating_add(64)
+        .saturating_mul(1 << 20)
+        .saturating_add(pids.saturating_mul(768 << 10))
 }
 
 fn network_flag(networked: bool) -> &'static str {
@@ -676,4 +744,17 @@ pub fn vm_rss(pid: i32) -> Option<u64> {
 fn tail_text(bytes: &[u8], max: usize) -> String {
     let start = bytes.len().saturating_sub(max);
     String::from_utf8_lossy(&bytes[start..]).trim().to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn host_memory_leaves_room_for_gvisor() {
+        assert_eq!(host_memory_limit(256, 256), (256 + 64 + 192) << 20);
+        // Unlimited pids are counted as the default 1024.
+        assert_eq!(host_memory_limit(512, 0), (512 + 64 + 768) << 20);
+        assert!(host_memory_limit(u64::MAX, u64::MAX) > 0);
+    }
 }

@@ -505,6 +505,16 @@ impl MicrovmRuntime {
             "console=ttyS0 quiet panic=-1 space.id={} space.pids={} space.disk=1 space.hostname={}",
             spec.id, spec.pids, spec.hostname
         );
+        // A test failpoint of the agent (only ever set by the server; see space_agent's
+        // failpoint module): the guest's init passes it on.
+        if let Some((_, fp)) = spec.agent_env.iter().find(|(k, _)| k == "SPACE_FAILPOINT") {
+            if fp
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b":_-".contains(&b))
+            {
+                cmdline.push_str(&format!(" space.failpoint={fp}"));
+            }
+        }
         let (accel, cpu) = match self.accel {
             Accel::Kvm => ("kvm".to_owned(), "host"),
             Accel::Tcg => {

@@ -9,6 +9,11 @@
 //! old one: a reconnecting agent always gets in), and at most [`MAX_HANDSHAKES`]
 //! connections that have not said hello yet, each closed after [`HANDSHAKE_TIMEOUT`] or
 //! when a newer one needs its place.
+//!
+//! Nothing waits on an agent forever: the connection is pinged while it is
+//! open (an agent that stops answering is dropped, and the sandbox's monitor
+//! fails the sandbox if it does not dial back in), and every request has a
+//! deadline for its answer.
 
 use std::collections::VecDeque;
 use std::path::Path;
@@ -23,7 +28,7 @@ use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, Full, Limited, StreamBody};
 use hyper::body::{Frame as BodyFrame, Incoming};
 use hyper::client::conn::http2::SendRequest;
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use space_agent::protocol::{self, ErrorBody, Hello, HelloReply};
@@ -58,6 +63,15 @@ const H2_CONNECTION_WINDOW: u32 = 16 << 20;
 const H2_MAX_FRAME: u32 = 1 << 20;
 /// Largest JSON response accepted from an agent.
 const MAX_AGENT_JSON: usize = 4 << 20;
+/// An HTTP/2 ping goes to the agent this often, idle or not; one unanswered for
+/// `PING_TIMEOUT` drops the connection. Generous: a TCG microVM under load is slow,
+/// and a connection dropped for nothing costs only a reconnect.
+const PING_INTERVAL: Duration = Duration::from_secs(10);
+const PING_TIMEOUT: Duration = Duration::from_secs(20);
+/// How long the agent may take to answer a request (its headers; a JSON answer
+/// in full), file transfers aside. Spawning is the slowest: a fork and exec in a
+/// loaded sandbox.
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
@@ -69,6 +83,8 @@ pub enum AgentError {
     Status { status: StatusCode, message: String },
     #[error("the agent sent an invalid response: {0}")]
     Protocol(String),
+    #[error("the sandbox's agent did not answer within {}s", .0.as_secs())]
+    Timeout(Duration),
 }
 
 /// One live, authenticated connection to a sandbox's agent.
@@ -94,7 +110,9 @@ impl AgentConn {
         self.close.cancel();
     }
 
-    /// Sends one request as is; the caller reads the streamed response.
+    /// Sends one request as is; the caller reads the streamed response. No deadline:
+    /// an upload's answer comes after its last byte, however large. The connection's
+    /// pings bound it: an agent that stops answering them ends the request with an error.
     pub async fn send(
         &self,
         req: Request<HostBody>,
@@ -105,6 +123,17 @@ impl AgentConn {
             .send_request(req)
             .await
             .map_err(AgentError::Connection)
+    }
+
+    /// [`Self::send`] for a request whose answer (its headers) must come within
+    /// [`REQUEST_TIMEOUT`]: everything but file transfers.
+    async fn send_bounded(
+        &self,
+        req: Request<HostBody>,
+    ) -> Result<http::Response<Incoming>, AgentError> {
+        tokio::time::timeout(REQUEST_TIMEOUT, self.send(req))
+            .await
+            .unwrap_or(Err(AgentError::Timeout(REQUEST_TIMEOUT)))
     }
 
     /// A JSON request; non-2xx answers become [`AgentError::Status`].
@@ -128,13 +157,16 @@ impl AgentConn {
                     .boxed_unsync(),
             )
             .map_err(|e| AgentError::Protocol(e.to_string()))?;
-        let resp = self.send(req).await?;
+        let resp = self.send_bounded(req).await?;
         let status = resp.status();
-        let body = Limited::new(resp.into_body(), MAX_AGENT_JSON)
-            .collect()
-            .await
-            .map_err(|e| AgentError::Protocol(format!("reading the response: {e}")))?
-            .to_bytes();
+        let body = tokio::time::timeout(
+            REQUEST_TIMEOUT,
+            Limited::new(resp.into_body(), MAX_AGENT_JSON).collect(),
+        )
+        .await
+        .map_err(|_| AgentError::Timeout(REQUEST_TIMEOUT))?
+        .map_err(|e| AgentError::Protocol(format!("reading the response: {e}")))?
+        .to_bytes();
         if !status.is_success() {
             let message = serde_json::from_slice::<ErrorBody>(&body)
                 .map(|b| b.error.message)
@@ -166,14 +198,18 @@ impl AgentConn {
             ))
             .body(body)
             .map_err(|e| AgentError::Protocol(e.to_string()))?;
-        let resp = self.send(req).await?;
+        let resp = self.send_bounded(req).await?;
         let status = resp.status();
         if !status.is_success() {
-            let body = Limited::new(resp.into_body(), 64 * 1024)
-                .collect()
-                .await
-                .map(|c| c.to_bytes())
-                .unwrap_or_default();
+            let body = tokio::time::timeout(
+                REQUEST_TIMEOUT,
+                Limited::new(resp.into_body(), 64 * 1024).collect(),
+            )
+            .await
+            .ok()
+            .and_then(|r| r.ok())
+            .map(|c| c.to_bytes())
+            .unwrap_or_default();
             let message = serde_json::from_slice::<ErrorBody>(&body)
                 .map(|b| b.error.message)
                 .unwrap_or_default();
@@ -337,6 +373,10 @@ async fn serve_connection(
         .initial_stream_window_size(H2_STREAM_WINDOW)
         .initial_connection_window_size(H2_CONNECTION_WINDOW)
         .max_frame_size(H2_MAX_FRAME)
+        .timer(TokioTimer::new())
+        .keep_alive_interval(PING_INTERVAL)
+        .keep_alive_timeout(PING_TIMEOUT)
+        .keep_alive_while_idle(true)
         .handshake(TokioIo::new(stream))
         .await
     {

@@ -265,29 +265,58 @@ impl Service {
         let sandbox_id = cmd.sandbox_id.clone();
         let id = cmd.id.clone();
         let mut rx = handle.agent.subscribe();
-        let conn = match agent::wait_connected(&mut rx, SPAWN_CONNECT_TIMEOUT).await {
-            Ok(c) => c,
-            Err(e) => {
-                self.finalize_command(&sandbox_id, &id, Outcome::Lost(e.to_string()));
-                return Err(e.into());
-            }
-        };
-        match conn
-            .json::<SpawnReply>(Method::POST, "/v1/commands", Some(&spawn))
-            .await
-        {
-            Ok(_) => {}
-            Err(AgentError::Status { status, message }) if status.is_client_error() => {
-                self.finalize_command(
-                    &sandbox_id,
-                    &id,
-                    Outcome::Lost(format!("the agent refused the command: {message}")),
-                );
-                return Err(ServiceError::BadRequest(message));
-            }
-            // The agent may or may not have started it; the session finds out.
-            Err(e) => {
-                tracing::warn!(command = %id, error = %super::error_chain(&e), "spawn request failed")
+        // A spawn whose answer was lost (the connection broke, or the agent did not answer
+        // in time) is sent once more, on the next connection: the agent answers 409 for
+        // an id it already has, so the command never starts twice, and one that never
+        // reached it is not reported `lost` for a reconnect.
+        let mut broken: Option<u64> = None;
+        for attempt in 0..2 {
+            let conn = match broken {
+                Some(gen) => {
+                    let next = rx.wait_for(|c| c.as_ref().is_some_and(|c| c.generation != gen));
+                    match tokio::time::timeout(SPAWN_CONNECT_TIMEOUT, next).await {
+                        Ok(Ok(c)) => c.clone(),
+                        _ => None,
+                    }
+                    .ok_or(AgentError::NotConnected)
+                }
+                None => agent::wait_connected(&mut rx, SPAWN_CONNECT_TIMEOUT).await,
+            };
+            let conn = match conn {
+                Ok(c) => c,
+                Err(e) if attempt == 0 => {
+                    self.finalize_command(&sandbox_id, &id, Outcome::Lost(e.to_string()));
+                    return Err(e.into());
+                }
+                // The first attempt may have started it; the session finds out.
+                Err(_) => break,
+            };
+            match conn
+                .json::<SpawnReply>(Method::POST, "/v1/commands", Some(&spawn))
+                .await
+            {
+                Ok(_) => break,
+                Err(AgentError::Status { status, .. })
+                    if attempt > 0 && status == StatusCode::CONFLICT =>
+                {
+                    break
+                }
+                Err(AgentError::Status { status, message }) if status.is_client_error() => {
+                    self.finalize_command(
+                        &sandbox_id,
+                        &id,
+                        Outcome::Lost(format!("the agent refused the command: {message}")),
+                    );
+                    return Err(ServiceError::BadRequest(message));
+                }
+                Err(e) => {
+                    tracing::warn!(command = %id, attempt, error = %super::error_chain(&e), "spawn request failed");
+                    // After a timeout the same connection is asked again; after a break, the next.
+                    broken = match e {
+                        AgentError::Timeout(_) => Some(u64::MAX),
+                        _ => Some(conn.generation),
+                    };
+                }
             }
         }
         cmd.state = CommandState::Running;
@@ -390,7 +419,7 @@ impl Service {
                             exit_code: st.exit_code,
                             signal: st.signal,
                             timed_out: st.timed_out,
-                            oom_killed: false,
+                            oom_killed: st.oom_killed,
                             duration_ms: st.duration_ms,
                             stdout_bytes: progress.stdout,
                             stderr_bytes: progress.stderr,
@@ -705,11 +734,21 @@ impl Service {
                 ))
             })?;
         for f in frames {
-            tx.send(f).await.map_err(|_| {
-                ServiceError::Unavailable(format!(
-                    "the connection to command {id}'s agent broke; retry"
-                ))
-            })?;
+            // Bounded: a command that does not read its input fills the agent's queue
+            // (8 MiB) and then this one; the caller hears so instead of waiting.
+            match tokio::time::timeout(agent::REQUEST_TIMEOUT, tx.send(f)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(_)) => {
+                    return Err(ServiceError::Unavailable(format!(
+                        "the connection to command {id}'s agent broke; retry"
+                    )))
+                }
+                Err(_) => {
+                    return Err(ServiceError::Unavailable(format!(
+                        "command {id} is not taking input (its queue is full); retry"
+                    )))
+                }
+            }
         }
         Ok(())
     }

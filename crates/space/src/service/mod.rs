@@ -539,7 +539,10 @@ impl Service {
                     "SPACE_PIDS_LIMIT".into(),
                     rec.sandbox.resources.pids.unwrap_or(0).to_string(),
                 ),
-            ],
+            ]
+            .into_iter()
+            .chain(agent_failpoint())
+            .collect(),
             vcpus: rec.sandbox.resources.vcpus.unwrap_or(0),
             memory_mib: rec.sandbox.resources.memory_mib.unwrap_or(0),
             pids: rec.sandbox.resources.pids.unwrap_or(0),
@@ -634,9 +637,13 @@ impl Service {
 
     /// Watches a sandbox's agent connection. When it is missing for long, or
     /// when it drops and the runtime says the sandbox is no longer there, the
-    /// sandbox is `failed` and its commands `lost`: nothing waits forever.
+    /// sandbox is `failed` and its commands `lost`: nothing waits forever. A
+    /// connected agent is health-checked by the connection itself (HTTP/2 pings,
+    /// `agent::PING_TIMEOUT`): one that stops answering is dropped, and must dial
+    /// back in within `READOPT_TIMEOUT`.
     async fn monitor(&self, handle: Arc<SandboxHandle>) {
         let mut rx = handle.agent.subscribe();
+        let mut was_connected = false;
         loop {
             // Until the agent is connected, check every 200 ms that the sandbox still exists.
             let start = tokio::time::Instant::now();
@@ -663,6 +670,10 @@ impl Service {
                     ),
                     // A paused sandbox's agent cannot dial in; that is fine.
                     Ok(RuntimeStatus::Paused) => None,
+                    _ if start.elapsed() > READOPT_TIMEOUT && was_connected => Some(format!(
+                        "the sandbox's agent stopped answering and did not come back within {}s",
+                        READOPT_TIMEOUT.as_secs()
+                    )),
                     _ if start.elapsed() > READOPT_TIMEOUT => {
                         Some("the sandbox's agent did not connect in time".to_string())
                     }
@@ -688,6 +699,7 @@ impl Service {
                 }
             }
             // Connected: wait for the connection to go away.
+            was_connected = true;
             tokio::select! {
                 r = rx.wait_for(|c| c.is_none()) => if r.is_err() { return },
                 _ = handle.closed.cancelled() => return,
@@ -803,6 +815,20 @@ pub(crate) fn failpoint(name: &str) {
         // SAFETY: plain syscalls on our own pid.
         unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
     }
+}
+
+/// Test hook: a `SPACE_FAILPOINT=agent:<name>` of the server is the agent's (see
+/// `space_agent`'s `failpoint` module), passed to every sandbox it creates.
+fn agent_failpoint() -> Option<(String, String)> {
+    std::env::var("SPACE_FAILPOINT")
+        .ok()
+        .filter(|v| {
+            v.starts_with("agent:")
+                && v.len() <= 64
+                && v.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b":_-".contains(&b))
+        })
+        .map(|v| ("SPACE_FAILPOINT".to_string(), v))
 }
 
 /// Test hook: whether `SPACE_FAILPOINT=<name>` is set (for failpoints that change a path).
@@ -932,7 +958,10 @@ pub(crate) fn truncate(s: &str, max: usize) -> &str {
 impl From<AgentError> for ServiceError {
     fn from(e: AgentError) -> Self {
         match e {
-            AgentError::NotConnected => ServiceError::Unavailable(e.to_string()),
+            // The agent is away or not answering: a 503 the caller may retry, never a hang.
+            AgentError::NotConnected | AgentError::Timeout(_) | AgentError::Connection(_) => {
+                ServiceError::Unavailable(error_chain(&e))
+            }
             other => ServiceError::Internal(error_chain(&other)),
         }
     }

@@ -244,6 +244,22 @@ int main(int argc, char **argv) {
             usleep(100000);
         }
     }
+    /* ── issue 11 point 7: things that make a kernel run a usermode helper as root ── */
+    if (!strcmp(c, "socket")) {
+        /* socket(FAMILY, TYPE, PROTO): an unloaded family or protocol makes Linux call
+         * request_module("net-pf-N[-proto-M]"), which runs the modprobe helper */
+        int proto = argc > 4 ? atoi(argv[4]) : 0;
+        return report(c, socket(atoi(argv[2]), atoi(argv[3]), proto));
+    }
+    if (!strcmp(c, "forkbomb")) {
+        /* every process forks forever, whatever fails (issue 11 point 6) */
+        for (;;) fork();
+    }
+    if (!strcmp(c, "request_key")) {
+        /* request_key(TYPE, DESC, CALLOUT, session keyring): a key that does not exist,
+         * with callout info, makes Linux run /sbin/request-key */
+        return report(c, syscall(SYS_request_key, argv[2], argv[3], argv[4], -3));
+    }
     if (!strcmp(c, "zombies")) {
         /* N children that exit and are never waited for, then sleep */
         int n = atoi(argv[2]);

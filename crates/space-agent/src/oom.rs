@@ -1,0 +1,153 @@
+//! The sandbox's memory limit under gVisor, enforced by the agent.
+//!
+//! gVisor enforces no memory limit inside a sandbox: its kernel (the Sentry) gives
+//! the workload whatever it asks for until the host's memory cgroup of the sandbox
+//! is full, and then the host's OOM killer ends the biggest process of the
+//! *sandbox*: the workload's address space (harmless), or the Sentry itself (the
+//! whole sandbox, its agent and every command are lost), whichever is bigger at
+//! that moment — a memory bomb split over a few processes, or one that comes after
+//! the Sentry has grown, takes the sandbox down.
+//!
+//! So the limit binds inside first: the gVisor driver tells gVisor `memory_mib` as
+//! its MemTotal and sizes the host's cgroup above it (room for the Sentry's own
+//! memory, see `space_runtime::gvisor`), and this module keeps the workload within
+//! MemTotal by gVisor's own accounting (what `sysinfo(2)` reports, the same as
+//! `/proc/meminfo`): when less than 1% of it is free it SIGKILLs the process with
+//! the largest resident set (never the agent), as Linux's OOM killer would, and
+//! marks that process's command `oom_killed`.
+//!
+//! It polls — gVisor offers no memory-pressure notification — on a thread of its
+//! own, so a busy or stuck async runtime cannot delay it. Each poll is one
+//! `sysinfo` call (20–50 µs in gVisor). The pause between polls is the time the
+//! fastest allocation measured in a gVisor sandbox (about 1 GB/s for one thread;
+//! 4 GB/s assumed) needs to use up what is free, between 2 and 100 ms, so the
+//! workload can overshoot by a few MiB before it is stopped; the driver's room
+//! for the Sentry covers that.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::http::Agent;
+
+/// Assumed fastest growth of the workload's memory, bytes per second.
+const FASTEST_GROWTH: u64 = 4 << 30;
+const MIN_PAUSE: Duration = Duration::from_millis(2);
+const MAX_PAUSE: Duration = Duration::from_millis(100);
+/// How long a killed process may take to exit (it is scheduled like any other; a
+/// loaded host makes that slow), and then its memory to come back (measured: 10–20 ms
+/// for 150 MiB), before the next victim is chosen: killing another before would kill
+/// for nothing, waiting longer would let a second bomb grow unchecked.
+const EXIT_WAIT: Duration = Duration::from_secs(5);
+const RELEASE_WAIT: Duration = Duration::from_millis(100);
+
+/// Total and free memory by the sandbox kernel's accounting, in bytes.
+fn memory() -> Option<(u64, u64)> {
+    // SAFETY: sysinfo fills in a plain struct.
+    let mut si: libc::sysinfo = unsafe { std::mem::zeroed() };
+    // SAFETY: a valid out-pointer.
+    if unsafe { libc::sysinfo(&mut si) } != 0 {
+        return None;
+    }
+    let unit = u64::from(si.mem_unit.max(1));
+    Some((
+        si.totalram.saturating_mul(unit),
+        si.freeram.saturating_mul(unit),
+    ))
+}
+
+/// Starts the watch. Call once, as the init of a gVisor sandbox.
+pub fn start(agent: Arc<Agent>) {
+    let Some((total, _)) = memory().filter(|(t, _)| *t > 0) else {
+        note!("space-agent: no memory total to keep commands within");
+        return;
+    };
+    let spawned = std::thread::Builder::new()
+        .name("space-oom".into())
+        .spawn(move || watch(&agent, total));
+    match spawned {
+        Ok(_) => note!(
+            "space-agent: commands kept within {} MiB of memory",
+            total >> 20
+        ),
+        Err(e) => note!("space-agent: cannot start the memory watch: {e}"),
+    }
+}
+
+fn watch(agent: &Agent, total: u64) {
+    let floor = total / 100;
+    loop {
+        let free = memory().map_or(total, |(_, f)| f);
+        if free <= floor {
+            if let Some(victim) = biggest() {
+                kill(agent, victim);
+                let start = Instant::now();
+                while start.elapsed() < EXIT_WAIT && resident_pages(victim).is_some_and(|r| r > 0) {
+                    std::thread::sleep(MIN_PAUSE);
+                }
+                let start = Instant::now();
+                while start.elapsed() < RELEASE_WAIT && memory().is_some_and(|(_, f)| f <= floor) {
+                    std::thread::sleep(MIN_PAUSE);
+                }
+                continue;
+            }
+        }
+        let room = free.saturating_sub(floor);
+        let pause = Duration::from_nanos(
+            u64::try_from(u128::from(room) * 1_000_000_000 / u128::from(FASTEST_GROWTH))
+                .unwrap_or(u64::MAX),
+        );
+        std::thread::sleep(pause.clamp(MIN_PAUSE, MAX_PAUSE));
+    }
+}
+
+/// A process's resident set in pages (`None`: it is gone).
+fn resident_pages(pid: i32) -> Option<u64> {
+    let statm = std::fs::read_to_string(format!("/proc/{pid}/statm")).ok()?;
+    statm.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// The pid of the process (other than the agent) with the largest resident set.
+fn biggest() -> Option<i32> {
+    let me = i32::try_from(std::process::id()).unwrap_or(1);
+    std::fs::read_dir("/proc")
+        .ok()?
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|&pid| pid != me)
+        .filter_map(|pid| Some((resident_pages(pid)?, pid)))
+        .filter(|&(resident, _)| resident > 0)
+        .max()
+        .map(|(_, pid)| pid)
+}
+
+fn kill(agent: &Agent, pid: i32) {
+    // Found before the kill: a dead process's limits are gone with it.
+    let cmd = crate::tree::tag_of(pid).and_then(|tag| agent.command_with_tag(tag));
+    // SAFETY: plain syscall.
+    unsafe { libc::kill(pid, libc::SIGKILL) };
+    match cmd {
+        Some(cmd) => {
+            cmd.mark_oom_killed();
+            note!(
+                "space-agent: out of memory: killed process {pid} of command {}",
+                cmd.id
+            );
+        }
+        None => note!("space-agent: out of memory: killed process {pid}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_memory_and_resident_sets() {
+        let (total, free) = memory().expect("sysinfo");
+        assert!(total > 0 && free <= total);
+        let me = i32::try_from(std::process::id()).unwrap();
+        assert!(resident_pages(me).is_some_and(|r| r > 0));
+        assert_eq!(resident_pages(i32::MAX), None);
+        // Never the caller itself.
+        assert_ne!(biggest(), Some(me));
+    }
+}
