@@ -117,14 +117,9 @@ impl ClientError {
     }
 }
 
-/// The error code as its wire text (`not_found`, `conflict`, …), whatever Rust
-/// type `ApiError.code` has: its serialised form is the stable part.
+/// The error code as its wire text (`not_found`, `conflict`, …).
 pub fn error_code(e: &ApiError) -> String {
-    match serde_json::to_value(&e.code) {
-        Ok(serde_json::Value::String(s)) => s,
-        Ok(other) => other.to_string(),
-        Err(_) => String::new(),
-    }
+    e.code.as_str().to_string()
 }
 
 /// `404 Not Found`, as HTTP clients print a status.

@@ -77,7 +77,7 @@ pub fn raise_nofile() -> (u64, u64) {
         }
         libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim);
     }
-    (lim.rlim_cur as u64, lim.rlim_max as u64)
+    (lim.rlim_cur, lim.rlim_max)
 }
 
 /// Runs every check; returns the process exit code.

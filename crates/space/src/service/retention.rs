@@ -415,8 +415,6 @@ pub(crate) fn expiry(ttl: Option<u64>) -> Option<String> {
 }
 
 impl Service {
-    /// Events after `after`, oldest first (the log behind `GET /v1/events`).
-
     /// Watches the id of the newest event.
     pub fn subscribe_events(&self) -> tokio::sync::watch::Receiver<i64> {
         self.0.store.subscribe_events()
