@@ -63,6 +63,8 @@ pub fn start(agent: Arc<Agent>) {
     };
     let spawned = std::thread::Builder::new()
         .name("space-oom".into())
+        // It reads small files and sleeps: a small stack keeps the agent small.
+        .stack_size(256 << 10)
         .spawn(move || watch(&agent, total));
     match spawned {
         Ok(_) => note!(
