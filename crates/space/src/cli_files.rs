@@ -119,7 +119,7 @@ async fn download(c: &Client, id: &str, path: &str, local: &Path) -> anyhow::Res
         let (tx, rx) = tokio::sync::mpsc::channel::<std::io::Result<Vec<u8>>>(8);
         let dst = local.to_path_buf();
         let unpack = tokio::task::spawn_blocking(move || -> anyhow::Result<u64> {
-            let mut a = tar::Archive::new(ChannelReader::new(rx));
+            let mut a = tar::Archive::new(space_service::ChannelReader::new(rx));
             a.set_preserve_permissions(true);
             a.set_overwrite(true);
             let mut n = 0;
@@ -196,42 +196,6 @@ fn chain(e: &dyn std::error::Error) -> String {
         cause = c.source();
     }
     s
-}
-
-/// A blocking reader of what an async task hands over in chunks; an error chunk
-/// fails the read (a broken download must never look like a short, complete one).
-pub(crate) struct ChannelReader {
-    rx: tokio::sync::mpsc::Receiver<std::io::Result<Vec<u8>>>,
-    buf: Vec<u8>,
-    pos: usize,
-}
-
-impl ChannelReader {
-    pub(crate) fn new(rx: tokio::sync::mpsc::Receiver<std::io::Result<Vec<u8>>>) -> Self {
-        ChannelReader {
-            rx,
-            buf: Vec::new(),
-            pos: 0,
-        }
-    }
-}
-
-impl std::io::Read for ChannelReader {
-    fn read(&mut self, out: &mut [u8]) -> std::io::Result<usize> {
-        while self.pos >= self.buf.len() {
-            match self.rx.blocking_recv() {
-                Some(b) => {
-                    self.buf = b?;
-                    self.pos = 0;
-                }
-                None => return Ok(0),
-            }
-        }
-        let n = out.len().min(self.buf.len() - self.pos);
-        out[..n].copy_from_slice(&self.buf[self.pos..self.pos + n]);
-        self.pos += n;
-        Ok(n)
-    }
 }
 
 /// `space ls SANDBOX:PATH`.

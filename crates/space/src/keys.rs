@@ -8,7 +8,7 @@ use anyhow::{bail, Context};
 use clap::Subcommand;
 use space_store::{Store, TenantLimits};
 
-use crate::service::tenancy::{new_key, valid_tenant};
+use space_service::tenancy::{new_key, valid_tenant};
 
 #[derive(Subcommand, Debug)]
 pub enum KeysCmd {

@@ -6,7 +6,7 @@ mod cli_files;
 mod doctor;
 mod keys;
 mod listen;
-mod service;
+use space_service as service;
 mod tty;
 
 use std::net::SocketAddr;

@@ -16,7 +16,7 @@ use http_body::Body as _;
 use space_api::ErrorCode;
 
 use super::{error, AppState, HttpError};
-use crate::service::Tenant;
+use space_service::Tenant;
 
 /// `Authorization: Bearer …` on every `/v1` route; puts the [`Principal`] and its
 /// [`Tenant`] on the request.

@@ -17,9 +17,9 @@ use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::StreamExt;
 
 use super::{error, parse_query, parse_wait, respond, respond_with, ApiJson, AppState, HttpError};
-use crate::service::output::View;
-use crate::service::{CommandOutputQuery, OutputEvent, Principal, Tenant};
 use axum::Extension;
+use space_service::output::View;
+use space_service::{CommandOutputQuery, OutputEvent, Principal, Tenant};
 
 pub async fn create(
     State(st): State<AppState>,
@@ -309,7 +309,7 @@ pub async fn attach(
 }
 
 async fn attach_session(
-    svc: crate::service::Service,
+    svc: space_service::Service,
     principal: Principal,
     id: String,
     cid: String,
@@ -362,9 +362,9 @@ async fn attach_session(
                         Ok(Control::Eof) => svc.write_stdin(&id, &cid, Bytes::new(), true).await,
                         Ok(Control::Signal { signal }) => match parse_signal(&signal) {
                             Some(sig) => svc.signal_command(&id, &cid, sig).await.map(|_| ()),
-                            None => Err(crate::service::ServiceError::BadRequest("unknown signal".into())),
+                            None => Err(space_service::ServiceError::BadRequest("unknown signal".into())),
                         },
-                        Err(e) => Err(crate::service::ServiceError::BadRequest(format!("bad control message: {e}"))),
+                        Err(e) => Err(space_service::ServiceError::BadRequest(format!("bad control message: {e}"))),
                     },
                     Some(Ok(Message::Close(_))) | None => return,
                     Some(Ok(_)) => Ok(()),

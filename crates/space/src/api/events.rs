@@ -18,7 +18,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::StreamExt;
 
 use super::{error, parse_query, AppState};
-use crate::service::Tenant;
+use space_service::Tenant;
 
 /// Events read from the store per batch.
 const BATCH: usize = 500;

@@ -17,9 +17,9 @@ use serde::{Deserialize, Serialize};
 use space_api::ErrorCode;
 
 use super::{error, parse_query, ApiJson, AppState, HttpError, Reject};
-use crate::service::agent::{BodyError, HostBody};
-use crate::service::Tenant;
 use axum::Extension;
+use space_service::agent::{BodyError, HostBody};
+use space_service::Tenant;
 
 /// Longest path accepted (Linux's PATH_MAX).
 const MAX_PATH: usize = 4096;
@@ -134,7 +134,7 @@ fn check_format(f: &Option<String>) -> Result<bool, Reject> {
             ErrorCode::InvalidQuery,
             format!(
                 "unknown format {:?}: use raw or tar",
-                crate::service::truncate(other, 32)
+                space_service::truncate(other, 32)
             ),
         )),
     }
@@ -192,7 +192,7 @@ async fn agent_error(resp: http::Response<hyper::body::Incoming>) -> Response {
         Some((code, message)) => error(
             status,
             code,
-            crate::service::truncate(&message, 4096).to_string(),
+            space_service::truncate(&message, 4096).to_string(),
         ),
         None => error(
             StatusCode::BAD_GATEWAY,

@@ -1,4 +1,4 @@
-//! The HTTP layer: a thin parser in front of [`crate::service::Service`].
+//! The HTTP layer: a thin parser in front of [`space_service::Service`].
 //! Each handler turns a request into one service call; errors become
 //! `{"error":{"code","message"}}` with the right status.
 
@@ -24,7 +24,7 @@ use axum::{Json, Router};
 use serde::de::DeserializeOwned;
 use space_api::{ApiError, ErrorBody};
 
-use crate::service::{error_chain, Service, ServiceError};
+use space_service::{error_chain, Service, ServiceError};
 
 /// Largest request body accepted on JSON endpoints.
 pub const MAX_JSON_BODY: usize = 1 << 20;
@@ -141,7 +141,7 @@ async fn json_rejections(req: Request, next: Next) -> Response {
     let message = if text.trim().is_empty() {
         status.canonical_reason().unwrap_or("error").to_string()
     } else {
-        crate::service::truncate(text.trim(), 500).to_string()
+        space_service::truncate(text.trim(), 500).to_string()
     };
     error(status, code, message)
 }
@@ -154,7 +154,7 @@ async fn log_request(req: Request, next: Next) -> Response {
     let resp = next.run(req).await;
     tracing::info!(
         %method,
-        path = %crate::service::truncate(&path, 200),
+        path = %space_service::truncate(&path, 200),
         status = resp.status().as_u16(),
         ms = start.elapsed().as_millis() as u64,
         "request"
@@ -220,7 +220,7 @@ impl IntoResponse for HttpError {
 }
 
 /// `200` with `v` as JSON, or the error as its response.
-pub fn respond<T: serde::Serialize>(r: crate::service::Result<T>) -> Response {
+pub fn respond<T: serde::Serialize>(r: space_service::Result<T>) -> Response {
     match r {
         Ok(v) => Json(v).into_response(),
         Err(e) => HttpError(e).into_response(),
@@ -230,7 +230,7 @@ pub fn respond<T: serde::Serialize>(r: crate::service::Result<T>) -> Response {
 /// Like [`respond`], with another success status (`201`, `202`).
 pub fn respond_with<T: serde::Serialize>(
     status: StatusCode,
-    r: crate::service::Result<T>,
+    r: space_service::Result<T>,
 ) -> Response {
     match r {
         Ok(v) => (status, Json(v)).into_response(),
@@ -316,7 +316,7 @@ pub fn parse_wait(s: &str) -> Result<Duration, Reject> {
         code: ErrorCode::InvalidQuery,
         message: format!(
             "invalid wait {:?}: use e.g. 30s, 500ms or 2m",
-            crate::service::truncate(s, 32)
+            space_service::truncate(s, 32)
         ),
     };
     let s = s.trim();

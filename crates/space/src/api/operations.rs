@@ -9,7 +9,7 @@ use serde::Deserialize;
 use space_api::OperationList;
 
 use super::{parse_query, parse_wait, respond, AppState};
-use crate::service::Tenant;
+use space_service::Tenant;
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -9,7 +9,7 @@ use space_api::ErrorCode;
 use space_api::{CreateSandboxRequest, SandboxList};
 
 use super::{error, parse_query, respond, respond_with, ApiJson, AppState};
-use crate::service::Tenant;
+use space_service::Tenant;
 
 pub async fn create(
     State(st): State<AppState>,
@@ -124,7 +124,7 @@ pub async fn suspend(
     accepted(st.service.for_tenant(&tenant).suspend(&id))
 }
 
-fn accepted(r: crate::service::Result<space_api::Operation>) -> Response {
+fn accepted(r: space_service::Result<space_api::Operation>) -> Response {
     respond_with(StatusCode::ACCEPTED, r)
 }
 

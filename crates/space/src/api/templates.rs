@@ -10,7 +10,7 @@ use space_api::TemplateList;
 use space_runtime::build::{Recipe, MAX_RECIPE_BYTES};
 
 use super::{error, respond, respond_with, AppState, HttpError};
-use crate::service::Tenant;
+use space_service::Tenant;
 
 /// Built-in templates and the caller's own.
 pub async fn list(State(st): State<AppState>, Extension(tenant): Extension<Tenant>) -> Response {

@@ -20,7 +20,7 @@ use space_api::{ApiError, Operation, OperationKind, OperationStatus, SandboxStat
 use space_runtime::template::{DefaultResources, Template, TemplateError};
 
 use super::{agent, error_chain, new_operation, Result, Service, ServiceError};
-use crate::cli_files::ChannelReader;
+use crate::ChannelReader;
 
 /// Most a template made from a sandbox may hold.
 const MAX_SNAPSHOT_BYTES: u64 = 64 << 30;

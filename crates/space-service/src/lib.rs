@@ -1,4 +1,8 @@
-//! The service layer: sandboxes, operations and commands, independent of HTTP.
+//! The service core of space: sandboxes, operations, commands and templates, independent
+//! of any front door. The v1 HTTP API (and the E2B API and MCP server that come next) act
+//! only through [`Service::for_tenant`] (`scope.rs`): one method per action, typed
+//! requests and results, errors with a stable [`space_api::ErrorCode`]. Tenancy, limits,
+//! template ownership and every safety rule live here, so every front door gets them.
 //!
 //! Every state change is written to the store before it is acted on. Lifecycle
 //! requests become operations that run as tasks, serialised per sandbox by a
@@ -7,6 +11,7 @@
 //! vanished ones are marked `failed`, half-done operations are finished or failed.
 
 pub mod agent;
+mod chan;
 mod commands;
 mod files;
 mod lifecycle;
@@ -38,6 +43,7 @@ use tokio::sync::{watch, Semaphore};
 use tokio_util::sync::CancellationToken;
 
 use agent::{AgentConn, AgentError};
+pub use chan::ChannelReader;
 pub use commands::{CommandOutputQuery, OutputEvent};
 use retention::Activity;
 pub use tenancy::{Limits, Principal, Tenant};
@@ -294,7 +300,7 @@ impl Service {
     // ---- sandboxes ----
 
     /// `POST /v1/sandboxes`: validates, records, and starts the create operation.
-    pub(super) fn create_sandbox(
+    pub(crate) fn create_sandbox(
         &self,
         tenant: &str,
         req: CreateSandboxRequest,
@@ -742,7 +748,7 @@ impl Service {
     }
 
     /// The sandboxes of `tenant`, optionally only those carrying all of `labels`.
-    pub(super) fn list_sandboxes(
+    pub(crate) fn list_sandboxes(
         &self,
         tenant: &str,
         labels: &[(String, String)],
@@ -760,7 +766,7 @@ impl Service {
 
     // ---- operations ----
 
-    pub(super) fn operation(&self, id: &str) -> Result<Operation> {
+    pub(crate) fn operation(&self, id: &str) -> Result<Operation> {
         self.0
             .store
             .get_operation(id)?
@@ -768,7 +774,7 @@ impl Service {
     }
 
     /// The operation once it has ended, or as it is after `wait`.
-    pub(super) async fn wait_operation(&self, id: &str, wait: Duration) -> Result<Operation> {
+    pub(crate) async fn wait_operation(&self, id: &str, wait: Duration) -> Result<Operation> {
         let mut rx = self.0.store.subscribe_events();
         let deadline = tokio::time::Instant::now() + wait;
         loop {
@@ -944,7 +950,7 @@ fn validate_labels(labels: &BTreeMap<String, String>) -> Result<()> {
     Ok(())
 }
 
-pub(crate) fn truncate(s: &str, max: usize) -> &str {
+pub fn truncate(s: &str, max: usize) -> &str {
     if s.len() <= max {
         return s;
     }
