@@ -1148,7 +1148,11 @@ async fn api_abuse(rt: &'static str) {
         (post.clone(), format!("{files}/mkdir"), 2),
         (post.clone(), format!("{files}/move"), 2),
         (post.clone(), format!("/v1/sandboxes/{v}/keepalive"), 2),
-        (post.clone(), format!("{cmds}/cmd_x/signal"), 2),
+        (
+            post.clone(),
+            format!("{cmds}/cmd_aaaaaaaaaaaaaaaaaaaa/signal"),
+            2,
+        ),
     ] {
         h.expect_4xx(&format!("oversized {p}"), m, &p, Some(big(mib)), &[413])
             .await;

@@ -255,29 +255,68 @@ async fn relay(
         .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
 }
 
+/// An upload on its way from the client to the agent.
+struct Upload {
+    /// What the agent reads.
+    body: HostBody,
+    /// Set once the client sent more than the limit.
+    exceeded: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// Reads the client's body into `body`; once the agent stops reading (it answered
+    /// early, say with 413), reads what the client still sends, boundedly, and drops it.
+    pump: tokio::task::JoinHandle<()>,
+}
+
+/// What is read and dropped of a client's upload after the agent answered early, so that
+/// the client gets to read the answer instead of a reset connection.
+const DRAIN_MAX: u64 = 64 << 20;
+const DRAIN_TIME: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// Streams the client's upload to the agent, cutting it off (and answering 413)
 /// once it passes `max` bytes.
-fn bounded_upload(
-    body: Body,
-    max: u64,
-) -> (HostBody, std::sync::Arc<std::sync::atomic::AtomicBool>) {
+fn bounded_upload(body: Body, max: u64) -> Upload {
     use std::sync::atomic::{AtomicBool, Ordering};
     let exceeded = std::sync::Arc::new(AtomicBool::new(false));
     let flag = exceeded.clone();
-    let mut seen: u64 = 0;
-    let stream = body.into_data_stream().map(move |chunk| match chunk {
-        Ok(b) => {
-            seen += b.len() as u64;
-            if seen > max {
-                flag.store(true, Ordering::SeqCst);
-                Err::<Frame<Bytes>, BodyError>(format!("upload larger than {max} bytes").into())
-            } else {
-                Ok(Frame::data(b))
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, BodyError>>(4);
+    let pump = tokio::spawn(async move {
+        let mut stream = body.into_data_stream();
+        let mut seen: u64 = 0;
+        while let Some(chunk) = stream.next().await {
+            let item = match chunk {
+                Ok(b) => {
+                    seen += b.len() as u64;
+                    if seen > max {
+                        flag.store(true, Ordering::SeqCst);
+                        Err(BodyError::from(format!("upload larger than {max} bytes")))
+                    } else {
+                        Ok(Frame::data(b))
+                    }
+                }
+                Err(e) => Err(BodyError::from(format!("reading the upload: {e}"))),
+            };
+            let failed = item.is_err();
+            if tx.send(item).await.is_err() || failed {
+                break;
             }
         }
-        Err(e) => Err(BodyError::from(format!("reading the upload: {e}"))),
+        // The agent has answered (or the upload failed): drop what the client still sends.
+        let mut drained: u64 = 0;
+        let _ = tokio::time::timeout(DRAIN_TIME, async {
+            while let Some(Ok(b)) = stream.next().await {
+                drained += b.len() as u64;
+                if drained > DRAIN_MAX {
+                    break;
+                }
+            }
+        })
+        .await;
     });
-    (BodyExt::boxed_unsync(StreamBody::new(stream)), exceeded)
+    let stream = tokio_stream::wrappers::ReceiverStream::new(rx);
+    Upload {
+        body: BodyExt::boxed_unsync(StreamBody::new(stream)),
+        exceeded,
+        pump,
+    }
 }
 
 fn too_large(max: u64) -> Response {
@@ -396,7 +435,11 @@ pub async fn upload(
             .for_tenant(&tenant)
             .admit_upload()
             .map_err(|e| HttpError(e).into_response())?;
-        let (body, exceeded) = bounded_upload(req.into_body(), max);
+        let Upload {
+            body,
+            exceeded,
+            pump,
+        } = bounded_upload(req.into_body(), max);
         let result = forward(
             &st,
             &tenant,
@@ -407,6 +450,8 @@ pub async fn upload(
             body,
         )
         .await;
+        // The answer goes out once the client's body has been read to its end (bounded).
+        let _ = pump.await;
         if exceeded.load(std::sync::atomic::Ordering::SeqCst) {
             return Err(too_large(max));
         }

