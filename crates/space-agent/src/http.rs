@@ -43,6 +43,14 @@ pub struct Agent {
     commands: Mutex<BTreeMap<String, Arc<Cmd>>>,
     /// Told to drop the host connection (before a checkpoint, which cannot save one).
     pub quiesce: tokio::sync::Notify,
+    /// The value of `woken` when the host last quiesced the agent: until it changes (the
+    /// host wakes the agent after the checkpoint's restore, or when the suspend is
+    /// abandoned), the agent does not dial, so no connect is ever in flight while the
+    /// sandbox is checkpointed (a restored connect left the agent unable to reach the
+    /// host again).
+    pub held_at: std::sync::Mutex<Option<u64>>,
+    /// Counts the host's wake-ups (SIGUSR1).
+    pub woken: tokio::sync::watch::Sender<u64>,
 }
 
 impl Agent {
@@ -173,6 +181,8 @@ pub async fn handle(agent: Arc<Agent>, req: Request<Incoming>) -> Response<Body>
         (["info"], _) => method_not_allowed(),
         (["quiesce"], Method::POST) => {
             // The connection is dropped right away; the host waits for that, not for this answer.
+            let woken = *agent.woken.borrow();
+            *agent.held_at.lock().unwrap_or_else(|e| e.into_inner()) = Some(woken);
             agent.quiesce.notify_one();
             empty(StatusCode::NO_CONTENT)
         }

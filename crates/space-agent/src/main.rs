@@ -52,6 +52,9 @@ const DEFAULT_SOCKET: &str = "/.space/run/agent.sock";
 const DEFAULT_TOKEN_FILE: &str = "/.space/run/token";
 const BACKOFF_MIN: Duration = Duration::from_millis(10);
 const BACKOFF_MAX: Duration = Duration::from_millis(100);
+/// Longest a quiesced agent waits to be woken before it dials again anyway (a server that
+/// died between the quiesce and the checkpoint never wakes it).
+const HOLD_MAX: Duration = Duration::from_secs(30);
 /// Wait after the host refused the handshake.
 const REFUSED_RETRY: Duration = Duration::from_secs(1);
 /// A host that accepts but never answers the handshake is dropped after this.
@@ -216,6 +219,20 @@ async fn run(cfg: Config) -> ExitCode {
         }
     };
     tokio::spawn(reaper::run(agent.reaper.clone(), sigchld));
+    // The host wakes a quiesced agent with SIGUSR1 (`runsc kill ID USR1`).
+    match signal(SignalKind::user_defined1()) {
+        Ok(mut usr1) => {
+            let agent = agent.clone();
+            tokio::spawn(async move {
+                while usr1.recv().await.is_some() {
+                    agent.woken.send_modify(|n| *n = n.wrapping_add(1));
+                }
+            });
+        }
+        Err(e) => {
+            note!("space-agent: cannot handle SIGUSR1 (a quiesce holds for {HOLD_MAX:?}): {e}")
+        }
+    }
     // The sandbox's kernel does not keep commands within its memory (gVisor): the agent does.
     if std::process::id() == 1 && !memory_confined && !microvm_guest() {
         oom::start(agent.clone());
@@ -252,14 +269,36 @@ impl HostLink for Port {
 async fn dial_loop(cfg: &Config, agent: Arc<Agent>) {
     match &cfg.transport {
         Transport::Socket(path) => {
-            serve_host(cfg, agent, path, || UnixStream::connect(path.as_str())).await
+            serve_host(cfg, agent, path, true, || {
+                UnixStream::connect(path.as_str())
+            })
+            .await
         }
-        Transport::Port(path) => serve_host(cfg, agent, path, || Port::connect(path)).await,
+        // A microVM's port is saved with the VM; nothing to hold there.
+        Transport::Port(path) => serve_host(cfg, agent, path, false, || Port::connect(path)).await,
     }
 }
 
-/// Dials the host forever; serves each accepted connection until it ends.
-async fn serve_host<S, D, F>(cfg: &Config, agent: Arc<Agent>, target: &str, dial: D)
+/// Waits, after a quiesce, until the host wakes the agent (or [`HOLD_MAX`] passes).
+async fn hold_after_quiesce(agent: &Agent) {
+    let held_at = agent
+        .held_at
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .take();
+    let Some(at) = held_at else { return };
+    let mut rx = agent.woken.subscribe();
+    if tokio::time::timeout(HOLD_MAX, rx.wait_for(|n| *n != at))
+        .await
+        .is_err()
+    {
+        note!("space-agent: quiesced for {HOLD_MAX:?} and not woken; dialling again");
+    }
+}
+
+/// Dials the host forever; serves each accepted connection until it ends. With `hold`,
+/// a quiesce keeps the agent from dialling until the host wakes it.
+async fn serve_host<S, D, F>(cfg: &Config, agent: Arc<Agent>, target: &str, hold: bool, dial: D)
 where
     S: HostLink,
     D: Fn() -> F,
@@ -268,6 +307,15 @@ where
     let mut backoff = BACKOFF_MIN;
     let mut quiet = false;
     loop {
+        if hold {
+            hold_after_quiesce(&agent).await;
+        } else {
+            agent
+                .held_at
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .take();
+        }
         // A connect that never completes (a host socket whose other side is stuck) must
         // not stop the dialling either.
         let dialled = tokio::time::timeout(HANDSHAKE_TIMEOUT, dial())

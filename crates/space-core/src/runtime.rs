@@ -122,6 +122,11 @@ pub trait Runtime: Send + Sync + 'static {
     fn disk_bytes(&self, _id: &str, _state_dir: &std::path::Path) -> Option<u64> {
         None
     }
+    /// Tells the sandbox's agent that it may dial the host again after a quiesce (gVisor:
+    /// SIGUSR1 to the agent); a no-op where a quiesce does not hold the agent.
+    async fn wake_agent(&self, _id: &str) -> Result<(), RuntimeError> {
+        Ok(())
+    }
     /// Why a sandbox that stopped by itself stopped, when the runtime can tell
     /// (asked before its remains are cleaned up).
     fn stop_reason(&self, _id: &str) -> Option<String> {

@@ -371,6 +371,10 @@ impl Runtime for GvisorRuntime {
         Ok(())
     }
 
+    async fn wake_agent(&self, id: &str) -> Result<(), RuntimeError> {
+        self.run(&["kill", id, "USR1"]).await.map(|_| ())
+    }
+
     async fn pause(&self, id: &str) -> Result<(), RuntimeError> {
         self.run(&["pause", id]).await.map(|_| ())
     }

@@ -58,6 +58,13 @@ fn runtime_failed(e: &dyn std::error::Error) -> ApiError {
 }
 
 impl Service {
+    /// Lets a quiesced agent dial again (see `Runtime::wake_agent`).
+    pub(crate) async fn wake_agent(&self, id: &str) {
+        if let Err(e) = self.rt(id).wake_agent(id).await {
+            tracing::warn!(sandbox = %id, error = %error_chain(&e), "waking the agent failed");
+        }
+    }
+
     /// The deadline of an operation kind on this server.
     pub(crate) fn deadline(&self, kind: OperationKind) -> Duration {
         self.0
@@ -323,6 +330,8 @@ impl Service {
                 connected = Err(e);
                 break;
             }
+            // The agent was quiesced before the checkpoint and holds until woken.
+            self.wake_agent(id).await;
             self.update_op(op_id, |op| {
                 op.progress = Some("waiting for the agent".into())
             })
@@ -434,6 +443,7 @@ impl Service {
             let rec = self.record(id).map_err(internal)?;
             let _ = self.start_listener(handle, &rec);
             handle.drop_connection();
+            self.wake_agent(id).await;
             self.advance(id, SandboxEvent::SuspendAborted, |_| {})?;
             return Err(e);
         }
@@ -454,6 +464,7 @@ impl Service {
             if status == Some(RuntimeStatus::Running) {
                 let rec = self.record(id).map_err(internal)?;
                 let _ = self.start_listener(handle, &rec);
+                self.wake_agent(id).await;
                 self.advance(id, SandboxEvent::SuspendAborted, |_| {})?;
             } else {
                 self.fail_sandbox(handle, &format!("suspend failed: {}", e.message))

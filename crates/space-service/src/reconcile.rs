@@ -244,6 +244,11 @@ impl Service {
         if rec.sandbox.state != SandboxState::Suspended {
             self.start_listener(&handle, rec)?;
             self.spawn_monitor(&handle);
+            // A server that died between a quiesce and its checkpoint left the agent holding.
+            if rec.sandbox.state == SandboxState::Running {
+                let (svc, id) = (self.clone(), rec.sandbox.id.clone());
+                tokio::spawn(async move { svc.wake_agent(&id).await });
+            }
             tracing::info!(sandbox = %rec.sandbox.id, "re-adopting sandbox; waiting for its agent");
         }
         // Sessions wait for the agent (now, or after a resume) and re-attach from their offsets.

@@ -32,6 +32,16 @@ use serde_json::{json, Value};
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 use tokio_tungstenite::tungstenite::Message;
 
+/// Cases that load the host's CPUs (bombs, floods, spinners, build steps) run one at a
+/// time: on a 2-core machine two of them at once starve every other sandbox for minutes,
+/// and the suite's health checks would time out on the load rather than on a defect.
+static HEAVY: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// Held for the whole of a heavy case.
+async fn heavy() -> tokio::sync::MutexGuard<'static, ()> {
+    HEAVY.lock().await
+}
+
 /// Where a sandbox's probe binary lives.
 const PROBE: &str = "/tmp/probe";
 /// A generous answer deadline for health checks (a TCG microVM under load is slow).
@@ -384,6 +394,7 @@ const RESOURCE_BOX: &str =
     r#"{"resources": {"vcpus": 2, "memory_mib": 256, "disk_mib": 128, "pids": 256}}"#;
 
 async fn resource_abuse(rt: &'static str) {
+    let _heavy = heavy().await;
     let Some(h) = setup(rt, &["--output-cap-mib", "16"]).await else {
         return;
     };
@@ -576,6 +587,7 @@ async fn resource_abuse(rt: &'static str) {
 // ─────────────────────── the pids limit: fork and thread bombs ───────────────────────
 
 async fn pids_bombs(rt: &'static str) {
+    let _heavy = heavy().await;
     let Some(h) = setup(rt, &[]).await else {
         return;
     };
@@ -2060,6 +2072,7 @@ mod template_builds {
     /// within the step's timeout, the server stays small and healthy, and nothing is left.
     #[tokio::test]
     async fn build_steps_are_bounded() {
+        let _heavy = super::heavy().await;
         let s = TestServer::start_with(&[
             "--build-memory-mib",
             "256",
@@ -3261,6 +3274,7 @@ fn host_bytes(h: &Hostile, sb: &str) -> (u64, u64) {
 }
 
 async fn host_disk_floods(rt: &'static str) {
+    let _heavy = heavy().await;
     let Some(h) = setup(rt, &[]).await else {
         return;
     };
@@ -3485,6 +3499,7 @@ async fn answered(h: &Hostile, what: &str, sb: &str, body: Value) -> (u16, Value
 /// command ends with its process killed (`oom_killed`, or a clear non-zero exit), a
 /// `sleep` started before it still runs, the agent answers, and the sandbox stays.
 async fn memory_bombs(rt: &'static str) {
+    let _heavy = heavy().await;
     let Some(h) = setup(rt, &[]).await else {
         return;
     };
@@ -3564,6 +3579,7 @@ async fn memory_bombs(rt: &'static str) {
 /// Commands that outlive their main process or leave it: a timeout ends all of it and
 /// says `timed_out`; afterwards nothing of it runs and new commands start.
 async fn runaway_commands(rt: &'static str) {
+    let _heavy = heavy().await;
     let Some(h) = setup(rt, &[]).await else {
         return;
     };

@@ -43,6 +43,7 @@ async fn wait_ended(s: &TestServer, sb: &str, cid: &str) -> Value {
 /// record per chunk) is capped like the output itself.
 #[tokio::test]
 async fn tiny_alternating_chunks_cannot_grow_the_index() {
+    let _heavy = super::heavy().await;
     let s = TestServer::start_with(&["--output-cap-mib", "2"]).await;
     if !s.runtime_available("gvisor").await {
         return;
