@@ -289,6 +289,11 @@ pub struct Event {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, JsonSchema)]
 pub struct Sandbox {
     pub id: String,
+    /// How many changes of it the store has recorded: every stored change increments it
+    /// (writes are compare-and-swap on it, so none is ever lost). Two reads with the same
+    /// version saw the same object.
+    #[serde(default)]
+    pub version: u64,
     /// The tenant it belongs to (the API key's tenant; `default` for the
     /// server's own token and dev mode).
     #[serde(default = "default_tenant")]
@@ -369,6 +374,11 @@ pub struct SandboxList {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, JsonSchema)]
 pub struct Operation {
     pub id: String,
+    /// How many changes of it the store has recorded: every stored change increments it
+    /// (writes are compare-and-swap on it, so none is ever lost). Two reads with the same
+    /// version saw the same object.
+    #[serde(default)]
+    pub version: u64,
     pub kind: OperationKind,
     pub status: OperationStatus,
     pub sandbox_id: Option<String>,
@@ -443,6 +453,11 @@ pub struct ProcessResult {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, JsonSchema)]
 pub struct Command {
     pub id: String,
+    /// How many changes of it the store has recorded: every stored change increments it
+    /// (writes are compare-and-swap on it, so none is ever lost). Two reads with the same
+    /// version saw the same object.
+    #[serde(default)]
+    pub version: u64,
     pub sandbox_id: String,
     pub state: CommandState,
     pub argv: Vec<String>,

@@ -196,6 +196,7 @@ impl Service {
 
         let cmd = Command {
             id: id.clone(),
+            version: 0,
             sandbox_id: sandbox_id.to_string(),
             state: CommandState::Starting,
             argv,
@@ -259,7 +260,7 @@ impl Service {
         handle: Arc<SandboxHandle>,
         ch: Arc<CommandHandle>,
         writer: OutputWriter,
-        mut cmd: Command,
+        cmd: Command,
         spawn: SpawnRequest,
     ) -> Result<(), ServiceError> {
         let sandbox_id = cmd.sandbox_id.clone();
@@ -319,8 +320,12 @@ impl Service {
                 }
             }
         }
-        cmd.state = CommandState::Running;
-        self.0.store.update_command(&cmd)?;
+        // Unless it has ended meanwhile (its session may already have finalized it).
+        self.modify_command(&sandbox_id, &id, |c| {
+            Ok::<_, ServiceError>((c.state == CommandState::Starting).then(|| {
+                c.state = CommandState::Running;
+            }))
+        })?;
         tracing::info!(sandbox = %&sandbox_id, command = %id, "command started");
         self.spawn_session(handle, ch, writer, sandbox_id, id);
 
@@ -392,6 +397,35 @@ impl Service {
         });
     }
 
+    /// Reads command `id`, lets `f` change it (`Ok(None)`: leave it as it is) and writes it
+    /// back compare-and-swap, reading again after a lost race. `None`: nothing written.
+    pub(crate) fn modify_command<T, E: From<ServiceError>>(
+        &self,
+        sandbox_id: &str,
+        id: &str,
+        mut f: impl FnMut(&mut Command) -> Result<Option<T>, E>,
+    ) -> Result<Option<T>, E> {
+        for _ in 0..32 {
+            let Some(mut cmd) = self
+                .0
+                .store
+                .get_command(sandbox_id, id)
+                .map_err(ServiceError::from)?
+            else {
+                return Ok(None);
+            };
+            let Some(out) = f(&mut cmd)? else {
+                return Ok(None);
+            };
+            match self.0.store.update_command(&mut cmd) {
+                Ok(()) => return Ok(Some(out)),
+                Err(space_store::StoreError::Conflict { .. }) => continue,
+                Err(e) => return Err(ServiceError::from(e).into()),
+            }
+        }
+        Err(ServiceError::Conflict(format!("command {id} kept changing under this write")).into())
+    }
+
     /// Moves a command into its terminal state, once.
     fn finalize_command(&self, sandbox_id: &str, id: &str, outcome: Outcome) {
         let reg = &self.0.commands;
@@ -403,10 +437,13 @@ impl Service {
             .as_ref()
             .map(|c| *c.progress.borrow())
             .unwrap_or_else(|| output::stored_progress(&self.command_dir(sandbox_id, id)));
-        if let Ok(Some(mut cmd)) = self.0.store.get_command(sandbox_id, id) {
-            if !cmd.state.is_terminal() {
+        let ended = self.modify_command(sandbox_id, id, |cmd| {
+            if cmd.state.is_terminal() {
+                return Ok::<_, ServiceError>(None);
+            }
+            {
                 let now = now_rfc3339();
-                match outcome {
+                match &outcome {
                     Outcome::Ended(st) => {
                         cmd.state = if st.timed_out {
                             CommandState::TimedOut
@@ -428,14 +465,20 @@ impl Service {
                     }
                     Outcome::Lost(reason) => {
                         cmd.state = CommandState::Lost;
-                        cmd.lost_reason = Some(reason);
+                        cmd.lost_reason = Some(reason.clone());
                     }
                 }
                 cmd.ended_at = Some(now);
-                if let Err(e) = self.0.store.update_command(&cmd) {
-                    tracing::error!(command = %id, error = %super::error_chain(&e), "storing a command result failed");
-                }
-                tracing::info!(sandbox = %sandbox_id, command = %id, state = %cmd.state, "command ended");
+            }
+            Ok(Some(cmd.state))
+        });
+        match ended {
+            Ok(Some(state)) => {
+                tracing::info!(sandbox = %sandbox_id, command = %id, %state, "command ended")
+            }
+            Ok(None) => {}
+            Err(e) => {
+                tracing::error!(command = %id, error = %super::error_chain(&e), "storing a command result failed")
             }
         }
         lock(&reg.live).remove(id);

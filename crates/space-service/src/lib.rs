@@ -38,7 +38,7 @@ use space_api::{
 use space_core::runtime::{RuntimeError, RuntimeStatus, SandboxSpec};
 use space_core::{new_id, new_token, now_rfc3339, transition, InvalidTransition, SandboxEvent};
 use space_runtime::template::{TemplateError, TemplateStore};
-use space_store::{SandboxRecord, Store, StoreError};
+use space_store::{SandboxRecord, SqliteStore, Store, StoreError};
 use tokio::sync::{watch, Semaphore};
 use tokio_util::sync::CancellationToken;
 
@@ -48,6 +48,8 @@ pub use commands::{CommandOutputQuery, OutputEvent};
 use retention::Activity;
 pub use tenancy::{Limits, Principal, Tenant};
 
+/// How often a compare-and-swap write is tried again after losing to another writer.
+const CAS_ATTEMPTS: usize = 32;
 /// How long a booted sandbox's agent may take to dial in.
 const AGENT_CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long a re-adopted sandbox's agent may take to dial back in after a restart.
@@ -196,7 +198,7 @@ impl SandboxHandle {
 
 pub(crate) struct Inner {
     pub cfg: Config,
-    pub store: Store,
+    pub store: Arc<dyn Store>,
     pub runtimes: runtimes::Runtimes,
     pub templates: TemplateStore,
     sandboxes: Mutex<HashMap<String, Arc<SandboxHandle>>>,
@@ -232,7 +234,7 @@ impl Service {
         std::fs::create_dir_all(cfg.data_dir.join("sandboxes"))?;
         std::fs::create_dir_all(cfg.data_dir.join("outputs"))?;
         std::fs::create_dir_all(cfg.data_dir.join("snapshots"))?;
-        let store = Store::open(&cfg.data_dir.join("space.db"))?;
+        let store: Arc<dyn Store> = Arc::new(SqliteStore::open(&cfg.data_dir.join("space.db"))?);
         let templates = TemplateStore::new(cfg.templates_dir.clone())?;
         let slots = cfg.max_concurrent_creates.max(1);
         let tenancy = tenancy::Tenancy::new(cfg.server_token.clone(), cfg.limits.clone());
@@ -354,6 +356,7 @@ impl Service {
         let rec = SandboxRecord {
             sandbox: Sandbox {
                 id: id.clone(),
+                version: 0,
                 tenant: tenant.to_string(),
                 state: SandboxState::Creating,
                 template: template_name.clone(),
@@ -495,7 +498,7 @@ impl Service {
             op.progress = Some("preparing the template".into());
         })
         .map_err(internal)?;
-        let mut rec = self.record(id).map_err(internal)?;
+        let template_name = self.record(id).map_err(internal)?.sandbox.template;
         let progress_svc = self.clone();
         let progress_op = op_id.to_string();
         let progress = move |line: String| {
@@ -504,15 +507,20 @@ impl Service {
         let template = self
             .0
             .templates
-            .ensure(&rec.sandbox.template, &progress)
+            .ensure(&template_name, &progress)
             .await
             .map_err(|e| ApiError::new(ErrorCode::TemplateUnavailable, e.to_string()))?;
-        rec.sandbox.template_version = template.version.clone();
-        rec.rootfs = template.rootfs.to_string_lossy().into_owned();
-        rec.template_env = template.env.clone();
-        rec.template_user = template.user.clone();
-        rec.template_workdir = template.workdir.clone();
-        self.0.store.update_sandbox(&rec).map_err(internal)?;
+        // Read again after the wait: the write must not undo what happened meanwhile.
+        let rec = self
+            .modify_sandbox(id, |rec| {
+                rec.sandbox.template_version = template.version.clone();
+                rec.rootfs = template.rootfs.to_string_lossy().into_owned();
+                rec.template_env = template.env.clone();
+                rec.template_user = template.user.clone();
+                rec.template_workdir = template.workdir.clone();
+                Ok::<_, ApiError>(())
+            })?
+            .0;
 
         self.update_op(op_id, |op| op.progress = Some("booting the sandbox".into()))
             .map_err(internal)?;
@@ -581,26 +589,32 @@ impl Service {
                 )
             })?;
         network::write_hosts(&conn, &rec.sandbox.network).await?;
-        let mut rec = self.record(id).map_err(internal)?;
-        rec.sandbox.state = transition(rec.sandbox.state, SandboxEvent::Ready)
-            .map_err(|e| ApiError::new(ErrorCode::Conflict, e.to_string()))?;
-        rec.sandbox.updated_at = now_rfc3339();
+        let ready = |rec: &mut SandboxRecord| -> Result<(), ApiError> {
+            rec.sandbox.state = transition(rec.sandbox.state, SandboxEvent::Ready)
+                .map_err(|e| ApiError::new(ErrorCode::Conflict, e.to_string()))?;
+            rec.sandbox.updated_at = now_rfc3339();
+            Ok(())
+        };
         // A template's start command runs once the sandbox runs; the create waits for it.
-        if let Some(start) = &template.start {
-            self.0.store.update_sandbox(&rec).map_err(internal)?;
-            self.spawn_monitor(handle);
-            self.run_template_start(id, op_id, start).await?;
-            rec = self.record(id).map_err(internal)?;
-        }
+        let ready_now = match &template.start {
+            Some(start) => {
+                self.modify_sandbox(id, ready)?;
+                self.spawn_monitor(handle);
+                self.run_template_start(id, op_id, start).await?;
+                false
+            }
+            None => true,
+        };
         self.sample_cost(id).await;
-        let mut op = self.operation(op_id).map_err(internal)?;
-        op.status = OperationStatus::Succeeded;
-        op.progress = Some("ready".into());
-        op.updated_at = now_rfc3339();
-        self.0
-            .store
-            .update_sandbox_and_op(&rec, &op)
-            .map_err(internal)?;
+        self.modify_sandbox_and_op(id, op_id, |rec, op| {
+            if ready_now {
+                ready(rec)?;
+            }
+            op.status = OperationStatus::Succeeded;
+            op.progress = Some("ready".into());
+            op.updated_at = now_rfc3339();
+            Ok::<_, ApiError>(())
+        })?;
         if template.start.is_none() {
             self.spawn_monitor(handle);
         }
@@ -725,13 +739,14 @@ impl Service {
         {
             tracing::error!(sandbox = %handle.id, error = %error_chain(&e), "cleaning up a failed sandbox failed");
         }
-        if let Ok(mut rec) = self.record(&handle.id) {
-            if let Ok(next) = transition(rec.sandbox.state, SandboxEvent::Failed) {
-                rec.sandbox.state = next;
-                rec.sandbox.failure_reason = Some(reason.to_string());
-                rec.sandbox.updated_at = now_rfc3339();
-                let _ = self.0.store.update_sandbox(&rec);
-            }
+        let failed = self.modify_sandbox(&handle.id, |rec| {
+            rec.sandbox.state = transition(rec.sandbox.state, SandboxEvent::Failed)?;
+            rec.sandbox.failure_reason = Some(reason.to_string());
+            rec.sandbox.updated_at = now_rfc3339();
+            Ok::<_, ServiceError>(())
+        });
+        if let Err(e) = failed {
+            tracing::debug!(sandbox = %handle.id, error = %e, "not marked failed");
         }
         self.forget_handle(&handle.id);
     }
@@ -790,12 +805,71 @@ impl Service {
         }
     }
 
-    fn update_op(&self, id: &str, f: impl FnOnce(&mut Operation)) -> Result<Operation> {
-        let mut op = self.operation(id)?;
-        f(&mut op);
-        op.updated_at = now_rfc3339();
-        self.0.store.update_operation(&op)?;
-        Ok(op)
+    fn update_op(&self, id: &str, f: impl Fn(&mut Operation)) -> Result<Operation> {
+        self.modify_operation(id, |op| {
+            f(op);
+            op.updated_at = now_rfc3339();
+            Ok::<_, ServiceError>(())
+        })
+        .map(|(op, ())| op)
+    }
+
+    /// Reads sandbox `id`, lets `f` change it and writes it back, compare-and-swap on the
+    /// version read: when another writer came first, reads again and asks `f` again, so
+    /// no write ever undoes another. `f` refusing (an `Err`) writes nothing.
+    pub(crate) fn modify_sandbox<T, E: From<ServiceError>>(
+        &self,
+        id: &str,
+        mut f: impl FnMut(&mut SandboxRecord) -> std::result::Result<T, E>,
+    ) -> std::result::Result<(SandboxRecord, T), E> {
+        for _ in 0..CAS_ATTEMPTS {
+            let mut rec = self.record(id)?;
+            let out = f(&mut rec)?;
+            match self.0.store.update_sandbox(&mut rec) {
+                Ok(()) => return Ok((rec, out)),
+                Err(StoreError::Conflict { .. }) => continue,
+                Err(e) => return Err(ServiceError::from(e).into()),
+            }
+        }
+        Err(ServiceError::Conflict(format!("sandbox {id} kept changing under this write")).into())
+    }
+
+    /// [`Self::modify_sandbox`] for an operation.
+    pub(crate) fn modify_operation<T, E: From<ServiceError>>(
+        &self,
+        id: &str,
+        mut f: impl FnMut(&mut Operation) -> std::result::Result<T, E>,
+    ) -> std::result::Result<(Operation, T), E> {
+        for _ in 0..CAS_ATTEMPTS {
+            let mut op = self.operation(id)?;
+            let out = f(&mut op)?;
+            match self.0.store.update_operation(&mut op) {
+                Ok(()) => return Ok((op, out)),
+                Err(StoreError::Conflict { .. }) => continue,
+                Err(e) => return Err(ServiceError::from(e).into()),
+            }
+        }
+        Err(ServiceError::Conflict(format!("operation {id} kept changing under this write")).into())
+    }
+
+    /// [`Self::modify_sandbox`] for a sandbox and an operation written together.
+    pub(crate) fn modify_sandbox_and_op<T, E: From<ServiceError>>(
+        &self,
+        id: &str,
+        op_id: &str,
+        mut f: impl FnMut(&mut SandboxRecord, &mut Operation) -> std::result::Result<T, E>,
+    ) -> std::result::Result<(SandboxRecord, Operation, T), E> {
+        for _ in 0..CAS_ATTEMPTS {
+            let mut rec = self.record(id)?;
+            let mut op = self.operation(op_id)?;
+            let out = f(&mut rec, &mut op)?;
+            match self.0.store.update_sandbox_and_op(&mut rec, &mut op) {
+                Ok(()) => return Ok((rec, op, out)),
+                Err(StoreError::Conflict { .. }) => continue,
+                Err(e) => return Err(ServiceError::from(e).into()),
+            }
+        }
+        Err(ServiceError::Conflict(format!("sandbox {id} kept changing under this write")).into())
     }
 
     fn finish_op(&self, id: &str, error: Option<ApiError>) -> Result<Operation> {
@@ -808,7 +882,7 @@ impl Service {
             if error.is_none() {
                 op.progress = Some("done".into());
             }
-            op.error = error;
+            op.error = error.clone();
         })
     }
 }
@@ -855,6 +929,7 @@ fn new_operation(kind: OperationKind, sandbox_id: Option<&str>, tenant: &str) ->
     let now = now_rfc3339();
     Operation {
         id: new_id("op"),
+        version: 0,
         kind,
         status: OperationStatus::Pending,
         sandbox_id: sandbox_id.map(str::to_owned),
@@ -864,6 +939,12 @@ fn new_operation(kind: OperationKind, sandbox_id: Option<&str>, tenant: &str) ->
         progress: None,
         created_at: now.clone(),
         updated_at: now,
+    }
+}
+
+impl From<ServiceError> for ApiError {
+    fn from(e: ServiceError) -> Self {
+        internal(e)
     }
 }
 

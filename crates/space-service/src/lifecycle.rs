@@ -25,6 +25,9 @@ const QUIESCE_TIMEOUT: Duration = Duration::from_secs(10);
 const RESTORE_CONNECT_TIMEOUT: Duration = Duration::from_secs(20);
 /// Restores of one resume before it fails (the snapshot is kept either way).
 const RESTORE_ATTEMPTS: u32 = 2;
+/// How often a wake is tried when the sandbox does not take it, and how far apart.
+const WAKE_ATTEMPTS: u32 = 5;
+const WAKE_RETRY_AFTER: Duration = Duration::from_millis(300);
 /// How long a restored agent gets before the server listens on a fresh socket for it.
 const RESTORE_RELISTEN_EVERY: Duration = Duration::from_secs(5);
 
@@ -59,9 +62,22 @@ fn runtime_failed(e: &dyn std::error::Error) -> ApiError {
 
 impl Service {
     /// Lets a quiesced agent dial again (see `Runtime::wake_agent`).
+    ///
+    /// Right after a restore the sandbox's control server may not answer yet (seen under
+    /// load: "connection refused"), so a failed wake is tried again a few times.
     pub(crate) async fn wake_agent(&self, id: &str) {
-        if let Err(e) = self.rt(id).wake_agent(id).await {
-            tracing::warn!(sandbox = %id, error = %error_chain(&e), "waking the agent failed");
+        let mut last = None;
+        for attempt in 0..WAKE_ATTEMPTS {
+            if attempt > 0 {
+                tokio::time::sleep(WAKE_RETRY_AFTER).await;
+            }
+            match self.rt(id).wake_agent(id).await {
+                Ok(()) => return,
+                Err(e) => last = Some(error_chain(&e)),
+            }
+        }
+        if let Some(e) = last {
+            tracing::warn!(sandbox = %id, error = %e, "waking the agent failed");
         }
     }
 
@@ -189,18 +205,15 @@ impl Service {
         event: SandboxEvent,
         progress: &str,
     ) -> Result<SandboxState, ApiError> {
-        let mut rec = self.record(id).map_err(internal)?;
-        let from = rec.sandbox.state;
-        rec.sandbox.state = transition(from, event).map_err(conflict)?;
-        rec.sandbox.updated_at = now_rfc3339();
-        let mut op = self.operation(op_id).map_err(internal)?;
-        op.status = OperationStatus::Running;
-        op.progress = Some(progress.into());
-        op.updated_at = now_rfc3339();
-        self.0
-            .store
-            .update_sandbox_and_op(&rec, &op)
-            .map_err(internal)?;
+        let (_, _, from) = self.modify_sandbox_and_op(id, op_id, |rec, op| {
+            let from = rec.sandbox.state;
+            rec.sandbox.state = transition(from, event).map_err(conflict)?;
+            rec.sandbox.updated_at = now_rfc3339();
+            op.status = OperationStatus::Running;
+            op.progress = Some(progress.into());
+            op.updated_at = now_rfc3339();
+            Ok::<_, ApiError>(from)
+        })?;
         Ok(from)
     }
 
@@ -209,13 +222,15 @@ impl Service {
         &self,
         id: &str,
         event: SandboxEvent,
-        f: impl FnOnce(&mut space_store::SandboxRecord),
+        f: impl Fn(&mut space_store::SandboxRecord),
     ) -> Result<(), ApiError> {
-        let mut rec = self.record(id).map_err(internal)?;
-        rec.sandbox.state = transition(rec.sandbox.state, event).map_err(conflict)?;
-        rec.sandbox.updated_at = now_rfc3339();
-        f(&mut rec);
-        self.0.store.update_sandbox(&rec).map_err(internal)
+        self.modify_sandbox(id, |rec| {
+            rec.sandbox.state = transition(rec.sandbox.state, event).map_err(conflict)?;
+            rec.sandbox.updated_at = now_rfc3339();
+            f(rec);
+            Ok::<_, ApiError>(())
+        })
+        .map(drop)
     }
 
     async fn destroy_steps(
@@ -357,6 +372,9 @@ impl Service {
                 if let Err(e) = self.start_listener(handle, &rec) {
                     tracing::warn!(sandbox = %id, error = %e, "cannot listen again");
                 }
+                // A wake that was lost (or sent before the sandbox could take it) would
+                // keep the agent holding for its whole hold time: send it again.
+                self.wake_agent(id).await;
             }
             if connected.is_ok() {
                 break;
@@ -520,25 +538,35 @@ impl Service {
             )));
         };
         token.cancel();
-        let mut op = op;
-        op.status = OperationStatus::Cancelled;
-        op.error = Some(ApiError::new(
-            ErrorCode::Cancelled,
-            "the operation was cancelled",
-        ));
-        op.updated_at = now_rfc3339();
-        match (op.kind, op.sandbox_id.as_deref()) {
+        let cancelled = |op: &mut Operation| {
+            op.status = OperationStatus::Cancelled;
+            op.error = Some(ApiError::new(
+                ErrorCode::Cancelled,
+                "the operation was cancelled",
+            ));
+            op.updated_at = now_rfc3339();
+        };
+        let op = match (op.kind, op.sandbox_id.clone()) {
             (OperationKind::Create, Some(sb)) => {
-                let mut rec = self.record(sb)?;
-                rec.sandbox.state = SandboxState::Destroyed;
-                rec.sandbox.failure_reason = Some("create cancelled".into());
-                rec.sandbox.destroyed_at = Some(now_rfc3339());
-                rec.sandbox.updated_at = now_rfc3339();
-                self.0.store.update_sandbox_and_op(&rec, &op)?;
-                self.forget_handle(sb);
+                let (_, op, ()) = self.modify_sandbox_and_op(&sb, id, |rec, op| {
+                    rec.sandbox.state = SandboxState::Destroyed;
+                    rec.sandbox.failure_reason = Some("create cancelled".into());
+                    rec.sandbox.destroyed_at = Some(now_rfc3339());
+                    rec.sandbox.updated_at = now_rfc3339();
+                    cancelled(op);
+                    Ok::<_, ServiceError>(())
+                })?;
+                self.forget_handle(&sb);
+                op
             }
-            _ => self.0.store.update_operation(&op)?,
-        }
+            _ => {
+                self.modify_operation(id, |op| {
+                    cancelled(op);
+                    Ok::<_, ServiceError>(())
+                })?
+                .0
+            }
+        };
         tracing::info!(operation = %id, kind = %op.kind, "operation cancelled");
         Ok(op)
     }

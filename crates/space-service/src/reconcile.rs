@@ -130,7 +130,8 @@ impl Service {
                     } else {
                         SandboxState::Paused
                     };
-                    self.0.store.update_sandbox(&rec)?;
+                    // Nothing else runs yet: this write cannot lose a race.
+                    self.0.store.update_sandbox(&mut rec)?;
                     self.adopt(&rec)?;
                     for op in op_of(&id) {
                         outcome.push((op, interrupted("operation")));

@@ -274,7 +274,7 @@ impl Service {
             .iter()
             .map(|c| super::output::disk_usage(&root.join(&c.id)))
             .sum();
-        for mut cmd in commands.into_iter().filter(|c| c.state.is_terminal()) {
+        for cmd in commands.into_iter().filter(|c| c.state.is_terminal()) {
             if total <= limit {
                 break;
             }
@@ -282,10 +282,11 @@ impl Service {
                 Ok(0) => {}
                 Ok(freed) => {
                     total = total.saturating_sub(freed);
-                    if let Some(r) = cmd.result.as_mut() {
-                        r.output_truncated = true;
-                        let _ = self.0.store.update_command(&cmd);
-                    }
+                    let _ = self.modify_command(&h.id, &cmd.id, |c| {
+                        Ok::<_, ServiceError>(c.result.as_mut().map(|r| {
+                            r.output_truncated = true;
+                        }))
+                    });
                     tracing::info!(sandbox = %h.id, command = %cmd.id, freed, "output budget: dropped a finished command's output");
                 }
                 Err(e) => {

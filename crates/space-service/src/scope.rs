@@ -114,7 +114,7 @@ impl<'a> TenantService<'a> {
 
     /// Whether the caller may see and use the template `name` (built in, or its own).
     fn template_visible(&self, name: &str) -> Result<bool> {
-        template_visible(&self.svc.0.store, self.tenant, name)
+        template_visible(self.svc.0.store.as_ref(), self.tenant, name)
     }
 
     /// 404 unless `id` is the caller's sandbox.

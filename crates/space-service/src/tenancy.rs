@@ -163,7 +163,7 @@ impl Tenancy {
 
     pub(crate) fn limits_for(
         &self,
-        store: &Store,
+        store: &dyn Store,
         tenant: &Tenant,
     ) -> Result<Limits, ServiceError> {
         let o = store.tenant_limits(tenant.as_str())?;
@@ -282,7 +282,10 @@ pub fn valid_tenant(name: &str) -> bool {
 
 /// Built-in templates belong to everyone (`None`); any other template to the
 /// tenant that built it (or `default`, for one built before tenants).
-pub(crate) fn template_tenant(store: &Store, name: &str) -> Result<Option<String>, ServiceError> {
+pub(crate) fn template_tenant(
+    store: &dyn Store,
+    name: &str,
+) -> Result<Option<String>, ServiceError> {
     if space_runtime::template::TemplateStore::BUILTIN.contains(&name) {
         return Ok(None);
     }
@@ -295,7 +298,7 @@ pub(crate) fn template_tenant(store: &Store, name: &str) -> Result<Option<String
 
 /// Whether `tenant` may see and use the template `name`.
 pub(crate) fn template_visible(
-    store: &Store,
+    store: &dyn Store,
     tenant: &Tenant,
     name: &str,
 ) -> Result<bool, ServiceError> {
@@ -398,7 +401,7 @@ impl Service {
         let tenancy = &self.0.tenancy;
         let lock = tenancy.create_lock(tenant);
         let _held = lock.lock().await;
-        let limits = tenancy.limits_for(&self.0.store, tenant)?;
+        let limits = tenancy.limits_for(self.0.store.as_ref(), tenant)?;
         let live = self.0.store.count_tenant_sandboxes(tenant.as_str())?;
         if live >= limits.max_sandboxes {
             return Err(ServiceError::TooMany {
@@ -443,7 +446,7 @@ impl Service {
     /// has too many that have not ended.
     pub(crate) fn admit_command(&self, tenant: &Tenant, sandbox_id: &str) -> super::Result<()> {
         let store = &self.0.store;
-        let limits = self.0.tenancy.limits_for(store, tenant)?;
+        let limits = self.0.tenancy.limits_for(store.as_ref(), tenant)?;
         let (mine, here) = store.count_unfinished_commands(tenant.as_str(), sandbox_id)?;
         if here >= limits.max_commands_per_sandbox {
             return Err(ServiceError::TooMany {
@@ -480,7 +483,7 @@ impl Service {
             ))
         };
         // Built-in names are refused by the build itself, with its own message.
-        if template_tenant(store, name)?.is_none() {
+        if template_tenant(store.as_ref(), name)?.is_none() {
             return Ok(false);
         }
         match store.template_owner(name)? {

@@ -22,6 +22,14 @@ pub enum StoreError {
     Corrupt(#[from] serde_json::Error),
     #[error("database schema version {0} is newer than this server understands")]
     TooNew(i64),
+    /// A compare-and-swap write lost: the object changed since it was read (or is gone).
+    /// Read it again and decide again; nothing was written.
+    #[error("{what} {id} changed since version {version} was read")]
+    Conflict {
+        what: &'static str,
+        id: String,
+        version: u64,
+    },
     #[error("cannot make {} private", path.display())]
     Permissions {
         path: std::path::PathBuf,
@@ -131,13 +139,302 @@ const MIGRATIONS: &[&str] = &[
         (SELECT o.tenant FROM template_owners o WHERE o.name = json_extract(events.doc, '$.template')),
         'default');
     CREATE INDEX events_tenant ON events(tenant, id);",
+    // 5: versions, for compare-and-swap writes: an update names the version it read.
+    "ALTER TABLE sandboxes ADD COLUMN version INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE operations ADD COLUMN version INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE commands ADD COLUMN version INTEGER NOT NULL DEFAULT 0;",
 ];
 
-/// The store. Cheap calls; hold no lock across an `.await`.
-pub struct Store {
+/// The SQLite store (one connection, WAL). Each call is one transaction, run off the
+/// async worker threads (see [`offload`]).
+pub struct SqliteStore {
     conn: Mutex<Connection>,
     /// The id of the newest event; changes wake event streams and long-polls.
     latest_event: tokio::sync::watch::Sender<i64>,
+}
+
+/// Everything the service keeps durable, behind one trait so that another database can
+/// replace SQLite (a PostgreSQL implementation is the multi-host plan: docs/MULTIHOST.md).
+/// Nothing in it is SQLite's: objects go in and out as the wire types (plus
+/// [`SandboxRecord`]), lists and counts are per tenant, and every update of a sandbox,
+/// operation or command is compare-and-swap on the version it was read at
+/// ([`StoreError::Conflict`] when someone else wrote first).
+pub trait Store: Send + Sync {
+    /// Watches the id of the newest event.
+    fn subscribe_events(&self) -> tokio::sync::watch::Receiver<i64>;
+    /// Events of `tenant` with an id above `after`, oldest first, at most `limit`.
+    fn events_after(
+        &self,
+        tenant: &str,
+        after: i64,
+        limit: usize,
+    ) -> Result<Vec<Event>, StoreError>;
+    /// Deletes a destroyed sandbox's records: its operations, commands and the sandbox row.
+    fn purge_sandbox(&self, id: &str) -> Result<(), StoreError>;
+    /// Deletes events older than `before` (RFC 3339).
+    fn purge_events_before(&self, before: &str) -> Result<usize, StoreError>;
+    /// Inserts a new sandbox and the operation creating it, atomically.
+    fn insert_sandbox(&self, rec: &SandboxRecord, op: &Operation) -> Result<(), StoreError>;
+    /// Writes `rec` if the stored sandbox is still at `rec.sandbox.version` (else
+    /// [`StoreError::Conflict`], nothing written); on success `rec` has the new version.
+    fn update_sandbox(&self, rec: &mut SandboxRecord) -> Result<(), StoreError>;
+    /// Sets a sandbox's activity time (and, for a keepalive, its expiry and TTL) in place,
+    /// without reading and writing back the whole document, so it can never undo a state
+    /// change made meanwhile. Nothing is set on a sandbox that is being destroyed, is
+    /// destroyed or failed; `false` then. With `event`, the sandbox as it now is becomes
+    /// an event.
+    fn set_sandbox_times(
+        &self,
+        id: &str,
+        last_active_at: &str,
+        expiry: Option<(&str, u64)>,
+        event: bool,
+    ) -> Result<bool, StoreError>;
+    /// Updates a sandbox and an operation in one transaction, each compare-and-swap on
+    /// the version it carries: both are written, or neither.
+    fn update_sandbox_and_op(
+        &self,
+        rec: &mut SandboxRecord,
+        op: &mut Operation,
+    ) -> Result<(), StoreError>;
+    fn get_sandbox(&self, id: &str) -> Result<Option<SandboxRecord>, StoreError>;
+    /// Every sandbox, oldest first (server-side policies and reconcile).
+    fn list_sandboxes(&self) -> Result<Vec<SandboxRecord>, StoreError>;
+    /// The sandboxes of one tenant, oldest first.
+    fn list_tenant_sandboxes(&self, tenant: &str) -> Result<Vec<SandboxRecord>, StoreError>;
+    /// How many sandboxes of `tenant` are not destroyed (failed ones count: they hold
+    /// records and output until they are destroyed or purged).
+    fn count_tenant_sandboxes(&self, tenant: &str) -> Result<u64, StoreError>;
+    fn insert_operation(&self, op: &Operation) -> Result<(), StoreError>;
+    /// Writes `op` if the stored operation is still at `op.version` (else
+    /// [`StoreError::Conflict`]); on success `op` has the new version.
+    fn update_operation(&self, op: &mut Operation) -> Result<(), StoreError>;
+    fn get_operation(&self, id: &str) -> Result<Option<Operation>, StoreError>;
+    /// Operations of `tenant` newest first, optionally of one sandbox, at most `limit`.
+    fn list_operations(
+        &self,
+        tenant: &str,
+        sandbox_id: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<Operation>, StoreError>;
+    /// Build operations of `tenant` that have not ended.
+    fn count_unfinished_builds(&self, tenant: &str) -> Result<u64, StoreError>;
+    /// Operations that have not ended, oldest first.
+    fn unfinished_operations(&self) -> Result<Vec<Operation>, StoreError>;
+    /// Stores a new command of a sandbox of `tenant`.
+    fn insert_command(&self, tenant: &str, cmd: &Command) -> Result<(), StoreError>;
+    /// Writes `cmd` if the stored command is still at `cmd.version` (else
+    /// [`StoreError::Conflict`]); on success `cmd` has the new version.
+    fn update_command(&self, cmd: &mut Command) -> Result<(), StoreError>;
+    fn get_command(&self, sandbox_id: &str, id: &str) -> Result<Option<Command>, StoreError>;
+    /// Commands of a sandbox, oldest first.
+    fn list_commands(&self, sandbox_id: &str) -> Result<Vec<Command>, StoreError>;
+    /// Commands that have not ended, in any sandbox.
+    fn unfinished_commands(&self) -> Result<Vec<Command>, StoreError>;
+    /// How many commands have not ended: of `tenant`, and of the sandbox `sandbox_id`.
+    fn count_unfinished_commands(
+        &self,
+        tenant: &str,
+        sandbox_id: &str,
+    ) -> Result<(u64, u64), StoreError>;
+    fn insert_api_key(&self, key: &ApiKey, hash: &str) -> Result<(), StoreError>;
+    /// The tenant of the live (not revoked) key with this hash.
+    fn tenant_for_key_hash(&self, hash: &str) -> Result<Option<String>, StoreError>;
+    /// The id and tenant of the live (not revoked) key with this hash.
+    fn key_for_hash(&self, hash: &str) -> Result<Option<(String, String)>, StoreError>;
+    /// Ids of every revoked key (`space keys revoke` writes the database directly, so a
+    /// running server learns of revocations by reading them).
+    fn revoked_key_ids(&self) -> Result<Vec<String>, StoreError>;
+    /// Every key, oldest first; of one tenant when `tenant` is set.
+    fn list_api_keys(&self, tenant: Option<&str>) -> Result<Vec<ApiKey>, StoreError>;
+    /// Revokes a key; `false` when there is no live key with that id.
+    fn revoke_api_key(&self, id: &str, now: &str) -> Result<bool, StoreError>;
+    fn tenant_limits(&self, tenant: &str) -> Result<TenantLimits, StoreError>;
+    fn set_tenant_limits(&self, tenant: &str, l: &TenantLimits) -> Result<(), StoreError>;
+    /// The tenant that built the template `name` (`None`: built-in, or built
+    /// before tenants existed).
+    fn template_owner(&self, name: &str) -> Result<Option<String>, StoreError>;
+    /// Claims `name` for `tenant`; `false` when another tenant owns it.
+    fn claim_template(&self, name: &str, tenant: &str) -> Result<bool, StoreError>;
+    fn release_template(&self, name: &str) -> Result<(), StoreError>;
+}
+
+impl Store for SqliteStore {
+    fn subscribe_events(&self) -> tokio::sync::watch::Receiver<i64> {
+        offload(|| SqliteStore::subscribe_events(self))
+    }
+
+    fn events_after(
+        &self,
+        tenant: &str,
+        after: i64,
+        limit: usize,
+    ) -> Result<Vec<Event>, StoreError> {
+        offload(|| SqliteStore::events_after(self, tenant, after, limit))
+    }
+
+    fn purge_sandbox(&self, id: &str) -> Result<(), StoreError> {
+        offload(|| SqliteStore::purge_sandbox(self, id))
+    }
+
+    fn purge_events_before(&self, before: &str) -> Result<usize, StoreError> {
+        offload(|| SqliteStore::purge_events_before(self, before))
+    }
+
+    fn insert_sandbox(&self, rec: &SandboxRecord, op: &Operation) -> Result<(), StoreError> {
+        offload(|| SqliteStore::insert_sandbox(self, rec, op))
+    }
+
+    fn update_sandbox(&self, rec: &mut SandboxRecord) -> Result<(), StoreError> {
+        offload(|| SqliteStore::update_sandbox(self, rec))
+    }
+
+    fn set_sandbox_times(
+        &self,
+        id: &str,
+        last_active_at: &str,
+        expiry: Option<(&str, u64)>,
+        event: bool,
+    ) -> Result<bool, StoreError> {
+        offload(|| SqliteStore::set_sandbox_times(self, id, last_active_at, expiry, event))
+    }
+
+    fn update_sandbox_and_op(
+        &self,
+        rec: &mut SandboxRecord,
+        op: &mut Operation,
+    ) -> Result<(), StoreError> {
+        offload(|| SqliteStore::update_sandbox_and_op(self, rec, op))
+    }
+
+    fn get_sandbox(&self, id: &str) -> Result<Option<SandboxRecord>, StoreError> {
+        offload(|| SqliteStore::get_sandbox(self, id))
+    }
+
+    fn list_sandboxes(&self) -> Result<Vec<SandboxRecord>, StoreError> {
+        offload(|| SqliteStore::list_sandboxes(self))
+    }
+
+    fn list_tenant_sandboxes(&self, tenant: &str) -> Result<Vec<SandboxRecord>, StoreError> {
+        offload(|| SqliteStore::list_tenant_sandboxes(self, tenant))
+    }
+
+    fn count_tenant_sandboxes(&self, tenant: &str) -> Result<u64, StoreError> {
+        offload(|| SqliteStore::count_tenant_sandboxes(self, tenant))
+    }
+
+    fn insert_operation(&self, op: &Operation) -> Result<(), StoreError> {
+        offload(|| SqliteStore::insert_operation(self, op))
+    }
+
+    fn update_operation(&self, op: &mut Operation) -> Result<(), StoreError> {
+        offload(|| SqliteStore::update_operation(self, op))
+    }
+
+    fn get_operation(&self, id: &str) -> Result<Option<Operation>, StoreError> {
+        offload(|| SqliteStore::get_operation(self, id))
+    }
+
+    fn list_operations(
+        &self,
+        tenant: &str,
+        sandbox_id: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<Operation>, StoreError> {
+        offload(|| SqliteStore::list_operations(self, tenant, sandbox_id, limit))
+    }
+
+    fn count_unfinished_builds(&self, tenant: &str) -> Result<u64, StoreError> {
+        offload(|| SqliteStore::count_unfinished_builds(self, tenant))
+    }
+
+    fn unfinished_operations(&self) -> Result<Vec<Operation>, StoreError> {
+        offload(|| SqliteStore::unfinished_operations(self))
+    }
+
+    fn insert_command(&self, tenant: &str, cmd: &Command) -> Result<(), StoreError> {
+        offload(|| SqliteStore::insert_command(self, tenant, cmd))
+    }
+
+    fn update_command(&self, cmd: &mut Command) -> Result<(), StoreError> {
+        offload(|| SqliteStore::update_command(self, cmd))
+    }
+
+    fn get_command(&self, sandbox_id: &str, id: &str) -> Result<Option<Command>, StoreError> {
+        offload(|| SqliteStore::get_command(self, sandbox_id, id))
+    }
+
+    fn list_commands(&self, sandbox_id: &str) -> Result<Vec<Command>, StoreError> {
+        offload(|| SqliteStore::list_commands(self, sandbox_id))
+    }
+
+    fn unfinished_commands(&self) -> Result<Vec<Command>, StoreError> {
+        offload(|| SqliteStore::unfinished_commands(self))
+    }
+
+    fn count_unfinished_commands(
+        &self,
+        tenant: &str,
+        sandbox_id: &str,
+    ) -> Result<(u64, u64), StoreError> {
+        offload(|| SqliteStore::count_unfinished_commands(self, tenant, sandbox_id))
+    }
+
+    fn insert_api_key(&self, key: &ApiKey, hash: &str) -> Result<(), StoreError> {
+        offload(|| SqliteStore::insert_api_key(self, key, hash))
+    }
+
+    fn tenant_for_key_hash(&self, hash: &str) -> Result<Option<String>, StoreError> {
+        offload(|| SqliteStore::tenant_for_key_hash(self, hash))
+    }
+
+    fn key_for_hash(&self, hash: &str) -> Result<Option<(String, String)>, StoreError> {
+        offload(|| SqliteStore::key_for_hash(self, hash))
+    }
+
+    fn revoked_key_ids(&self) -> Result<Vec<String>, StoreError> {
+        offload(|| SqliteStore::revoked_key_ids(self))
+    }
+
+    fn list_api_keys(&self, tenant: Option<&str>) -> Result<Vec<ApiKey>, StoreError> {
+        offload(|| SqliteStore::list_api_keys(self, tenant))
+    }
+
+    fn revoke_api_key(&self, id: &str, now: &str) -> Result<bool, StoreError> {
+        offload(|| SqliteStore::revoke_api_key(self, id, now))
+    }
+
+    fn tenant_limits(&self, tenant: &str) -> Result<TenantLimits, StoreError> {
+        offload(|| SqliteStore::tenant_limits(self, tenant))
+    }
+
+    fn set_tenant_limits(&self, tenant: &str, l: &TenantLimits) -> Result<(), StoreError> {
+        offload(|| SqliteStore::set_tenant_limits(self, tenant, l))
+    }
+
+    fn template_owner(&self, name: &str) -> Result<Option<String>, StoreError> {
+        offload(|| SqliteStore::template_owner(self, name))
+    }
+
+    fn claim_template(&self, name: &str, tenant: &str) -> Result<bool, StoreError> {
+        offload(|| SqliteStore::claim_template(self, name, tenant))
+    }
+
+    fn release_template(&self, name: &str) -> Result<(), StoreError> {
+        offload(|| SqliteStore::release_template(self, name))
+    }
+}
+
+/// Runs blocking database work off the async worker threads: on a multi-threaded tokio
+/// runtime, through `block_in_place` (the worker hands its other tasks to another thread
+/// first); elsewhere (a blocking thread, a plain thread, a current-thread runtime) as is.
+pub fn offload<T>(f: impl FnOnce() -> T) -> T {
+    match tokio::runtime::Handle::try_current() {
+        Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+            tokio::task::block_in_place(f)
+        }
+        _ => f(),
+    }
 }
 
 /// The database holds key hashes, tenants' secrets and agent tokens: only its owner may
@@ -172,20 +469,20 @@ fn make_private(path: &Path) -> Result<(), StoreError> {
     Ok(())
 }
 
-impl Store {
+impl SqliteStore {
     /// Opens (creating if needed) the database at `path` and runs migrations.
-    pub fn open(path: &Path) -> Result<Store, StoreError> {
+    pub fn open(path: &Path) -> Result<SqliteStore, StoreError> {
         make_private(path)?;
         let conn = Connection::open(path)?;
         Self::init(conn)
     }
 
     /// An in-memory store, for unit tests.
-    pub fn open_in_memory() -> Result<Store, StoreError> {
+    pub fn open_in_memory() -> Result<SqliteStore, StoreError> {
         Self::init(Connection::open_in_memory()?)
     }
 
-    fn init(mut conn: Connection) -> Result<Store, StoreError> {
+    fn init(mut conn: Connection) -> Result<SqliteStore, StoreError> {
         conn.busy_timeout(std::time::Duration::from_secs(5))?;
         // WAL + NORMAL: a committed transaction survives a killed process;
         // only a power loss can take the last few.
@@ -205,7 +502,7 @@ impl Store {
         }
         let latest: i64 =
             conn.query_row("SELECT COALESCE(MAX(id), 0) FROM events", [], |r| r.get(0))?;
-        Ok(Store {
+        Ok(SqliteStore {
             conn: Mutex::new(conn),
             latest_event: tokio::sync::watch::channel(latest).0,
         })
@@ -301,17 +598,12 @@ impl Store {
         Ok(())
     }
 
-    pub fn update_sandbox(&self, rec: &SandboxRecord) -> Result<(), StoreError> {
+    /// Writes `rec` if the stored sandbox is still at `rec.sandbox.version` (else
+    /// [`StoreError::Conflict`], nothing written); on success `rec` has the new version.
+    pub fn update_sandbox(&self, rec: &mut SandboxRecord) -> Result<(), StoreError> {
         let mut conn = self.conn();
         let tx = conn.transaction()?;
-        tx.execute(
-            "UPDATE sandboxes SET state = ?2, doc = ?3 WHERE id = ?1",
-            params![
-                rec.sandbox.id,
-                rec.sandbox.state.as_str(),
-                serde_json::to_string(rec)?
-            ],
-        )?;
+        cas_sandbox(&tx, rec)?;
         let id = sandbox_event(&tx, rec)?;
         tx.commit()?;
         self.published(Some(id));
@@ -336,14 +628,15 @@ impl Store {
         let n = match expiry {
             None => tx.execute(
                 &format!(
-                    "UPDATE sandboxes SET doc = json_set(doc, '$.sandbox.last_active_at', ?2)
+                    "UPDATE sandboxes SET version = version + 1,
+                         doc = json_set(doc, '$.sandbox.last_active_at', ?2)
                      WHERE id = ?1 AND {live}"
                 ),
                 params![id, last_active_at],
             )?,
             Some((expires_at, ttl)) => tx.execute(
                 &format!(
-                    "UPDATE sandboxes SET doc = json_set(doc,
+                    "UPDATE sandboxes SET version = version + 1, doc = json_set(doc,
                          '$.sandbox.last_active_at', ?2,
                          '$.sandbox.expires_at', ?3,
                          '$.sandbox.ttl_seconds', ?4,
@@ -360,11 +653,12 @@ impl Store {
         };
         let mut published = None;
         if n == 1 && event {
-            let doc: String =
-                tx.query_row("SELECT doc FROM sandboxes WHERE id = ?1", [id], |r| {
-                    r.get(0)
-                })?;
-            let rec: SandboxRecord = serde_json::from_str(&doc)?;
+            let row: (i64, String) = tx.query_row(
+                "SELECT version, doc FROM sandboxes WHERE id = ?1",
+                [id],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )?;
+            let rec = sandbox_from_row(row)?;
             published = Some(sandbox_event(&tx, &rec)?);
         }
         tx.commit()?;
@@ -372,23 +666,17 @@ impl Store {
         Ok(n == 1)
     }
 
-    /// Updates a sandbox and an operation in one transaction.
+    /// Updates a sandbox and an operation in one transaction, each compare-and-swap on
+    /// the version it carries: both are written, or neither.
     pub fn update_sandbox_and_op(
         &self,
-        rec: &SandboxRecord,
-        op: &Operation,
+        rec: &mut SandboxRecord,
+        op: &mut Operation,
     ) -> Result<(), StoreError> {
         let mut conn = self.conn();
         let tx = conn.transaction()?;
-        tx.execute(
-            "UPDATE sandboxes SET state = ?2, doc = ?3 WHERE id = ?1",
-            params![
-                rec.sandbox.id,
-                rec.sandbox.state.as_str(),
-                serde_json::to_string(rec)?
-            ],
-        )?;
-        upsert_op(&tx, op)?;
+        cas_sandbox(&tx, rec)?;
+        cas_op(&tx, op)?;
         sandbox_event(&tx, rec)?;
         let id = op_event(&tx, op)?;
         tx.commit()?;
@@ -397,39 +685,35 @@ impl Store {
     }
 
     pub fn get_sandbox(&self, id: &str) -> Result<Option<SandboxRecord>, StoreError> {
-        let doc: Option<String> = self
+        let row: Option<(i64, String)> = self
             .conn()
-            .query_row("SELECT doc FROM sandboxes WHERE id = ?1", [id], |r| {
-                r.get(0)
-            })
+            .prepare_cached("SELECT version, doc FROM sandboxes WHERE id = ?1")?
+            .query_row([id], |r| Ok((r.get(0)?, r.get(1)?)))
             .optional()?;
-        Ok(doc.map(|d| serde_json::from_str(&d)).transpose()?)
+        row.map(sandbox_from_row).transpose()
     }
 
     /// Every sandbox, oldest first (server-side policies and reconcile).
     pub fn list_sandboxes(&self) -> Result<Vec<SandboxRecord>, StoreError> {
         let conn = self.conn();
-        let mut stmt = conn.prepare_cached("SELECT doc FROM sandboxes ORDER BY created_at, id")?;
-        let docs = stmt
-            .query_map([], |r| r.get::<_, String>(0))?
-            .collect::<Result<Vec<_>, _>>()?;
-        docs.iter()
-            .map(|d| serde_json::from_str(d).map_err(StoreError::from))
-            .collect()
+        let mut stmt =
+            conn.prepare_cached("SELECT version, doc FROM sandboxes ORDER BY created_at, id")?;
+        let rows = stmt
+            .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?
+            .collect::<Result<Vec<(i64, String)>, _>>()?;
+        rows.into_iter().map(sandbox_from_row).collect()
     }
 
     /// The sandboxes of one tenant, oldest first.
     pub fn list_tenant_sandboxes(&self, tenant: &str) -> Result<Vec<SandboxRecord>, StoreError> {
         let conn = self.conn();
         let mut stmt = conn.prepare_cached(
-            "SELECT doc FROM sandboxes WHERE tenant = ?1 ORDER BY created_at, id",
+            "SELECT version, doc FROM sandboxes WHERE tenant = ?1 ORDER BY created_at, id",
         )?;
-        let docs = stmt
-            .query_map([tenant], |r| r.get::<_, String>(0))?
-            .collect::<Result<Vec<_>, _>>()?;
-        docs.iter()
-            .map(|d| serde_json::from_str(d).map_err(StoreError::from))
-            .collect()
+        let rows = stmt
+            .query_map([tenant], |r| Ok((r.get(0)?, r.get(1)?)))?
+            .collect::<Result<Vec<(i64, String)>, _>>()?;
+        rows.into_iter().map(sandbox_from_row).collect()
     }
 
     /// How many sandboxes of `tenant` are not destroyed (failed ones count: they hold
@@ -455,10 +739,12 @@ impl Store {
         Ok(())
     }
 
-    pub fn update_operation(&self, op: &Operation) -> Result<(), StoreError> {
+    /// Writes `op` if the stored operation is still at `op.version` (else
+    /// [`StoreError::Conflict`]); on success `op` has the new version.
+    pub fn update_operation(&self, op: &mut Operation) -> Result<(), StoreError> {
         let mut conn = self.conn();
         let tx = conn.transaction()?;
-        upsert_op(&tx, op)?;
+        cas_op(&tx, op)?;
         let id = op_event(&tx, op)?;
         tx.commit()?;
         self.published(Some(id));
@@ -466,10 +752,10 @@ impl Store {
     }
 
     pub fn get_operation(&self, id: &str) -> Result<Option<Operation>, StoreError> {
-        let row: Option<(String, String)> = self
+        let row: Option<(String, i64, String)> = self
             .conn()
-            .prepare_cached("SELECT tenant, doc FROM operations WHERE id = ?1")?
-            .query_row([id], |r| Ok((r.get(0)?, r.get(1)?)))
+            .prepare_cached("SELECT tenant, version, doc FROM operations WHERE id = ?1")?
+            .query_row([id], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
             .optional()?;
         row.map(operation_from_row).transpose()
     }
@@ -483,14 +769,14 @@ impl Store {
     ) -> Result<Vec<Operation>, StoreError> {
         let conn = self.conn();
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-        let rows: Vec<(String, String)> = conn
+        let rows: Vec<(String, i64, String)> = conn
             .prepare_cached(
-                "SELECT tenant, doc FROM operations
+                "SELECT tenant, version, doc FROM operations
                  WHERE tenant = ?1 AND (?2 IS NULL OR sandbox_id = ?2)
                  ORDER BY created_at DESC, id DESC LIMIT ?3",
             )?
             .query_map(params![tenant, sandbox_id, limit], |r| {
-                Ok((r.get(0)?, r.get(1)?))
+                Ok((r.get(0)?, r.get(1)?, r.get(2)?))
             })?
             .collect::<Result<_, _>>()?;
         rows.into_iter().map(operation_from_row).collect()
@@ -510,12 +796,12 @@ impl Store {
     /// Operations that have not ended, oldest first.
     pub fn unfinished_operations(&self) -> Result<Vec<Operation>, StoreError> {
         let conn = self.conn();
-        let rows: Vec<(String, String)> = conn
+        let rows: Vec<(String, i64, String)> = conn
             .prepare_cached(
-                "SELECT tenant, doc FROM operations WHERE status IN ('pending', 'running')
+                "SELECT tenant, version, doc FROM operations WHERE status IN ('pending', 'running')
                  ORDER BY created_at, id",
             )?
-            .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?
+            .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?
             .collect::<Result<_, _>>()?;
         rows.into_iter().map(operation_from_row).collect()
     }
@@ -539,55 +825,66 @@ impl Store {
         Ok(())
     }
 
-    pub fn update_command(&self, cmd: &Command) -> Result<(), StoreError> {
-        self.conn().execute(
-            "UPDATE commands SET state = ?2, doc = ?3 WHERE id = ?1",
-            params![
+    /// Writes `cmd` if the stored command is still at `cmd.version` (else
+    /// [`StoreError::Conflict`]); on success `cmd` has the new version.
+    pub fn update_command(&self, cmd: &mut Command) -> Result<(), StoreError> {
+        let read = cmd.version;
+        cmd.version = read + 1;
+        let n = self
+            .conn()
+            .prepare_cached(
+                "UPDATE commands SET state = ?2, doc = ?3, version = version + 1
+                 WHERE id = ?1 AND version = ?4",
+            )?
+            .execute(params![
                 cmd.id,
                 cmd.state.as_str(),
-                serde_json::to_string(&stored_command(cmd))?
-            ],
-        )?;
+                serde_json::to_string(&stored_command(cmd))?,
+                read as i64
+            ])?;
+        if n != 1 {
+            cmd.version = read;
+            return Err(StoreError::Conflict {
+                what: "command",
+                id: cmd.id.clone(),
+                version: read,
+            });
+        }
         Ok(())
     }
 
     pub fn get_command(&self, sandbox_id: &str, id: &str) -> Result<Option<Command>, StoreError> {
-        let doc: Option<String> = self
+        let row: Option<(i64, String)> = self
             .conn()
-            .query_row(
-                "SELECT doc FROM commands WHERE id = ?1 AND sandbox_id = ?2",
-                [id, sandbox_id],
-                |r| r.get(0),
-            )
+            .prepare_cached("SELECT version, doc FROM commands WHERE id = ?1 AND sandbox_id = ?2")?
+            .query_row([id, sandbox_id], |r| Ok((r.get(0)?, r.get(1)?)))
             .optional()?;
-        Ok(doc.map(|d| serde_json::from_str(&d)).transpose()?)
+        row.map(command_from_row).transpose()
     }
 
     /// Commands of a sandbox, oldest first.
     pub fn list_commands(&self, sandbox_id: &str) -> Result<Vec<Command>, StoreError> {
         let conn = self.conn();
-        let docs: Vec<String> = conn
-            .prepare("SELECT doc FROM commands WHERE sandbox_id = ?1 ORDER BY created_at, id")?
-            .query_map([sandbox_id], |r| r.get(0))?
+        let rows: Vec<(i64, String)> = conn
+            .prepare_cached(
+                "SELECT version, doc FROM commands WHERE sandbox_id = ?1 ORDER BY created_at, id",
+            )?
+            .query_map([sandbox_id], |r| Ok((r.get(0)?, r.get(1)?)))?
             .collect::<Result<_, _>>()?;
-        docs.iter()
-            .map(|d| serde_json::from_str(d).map_err(StoreError::from))
-            .collect()
+        rows.into_iter().map(command_from_row).collect()
     }
 
     /// Commands that have not ended, in any sandbox.
     pub fn unfinished_commands(&self) -> Result<Vec<Command>, StoreError> {
         let conn = self.conn();
-        let docs: Vec<String> = conn
+        let rows: Vec<(i64, String)> = conn
             .prepare_cached(
-                "SELECT doc FROM commands WHERE state IN ('starting', 'running')
+                "SELECT version, doc FROM commands WHERE state IN ('starting', 'running')
                  ORDER BY created_at, id",
             )?
-            .query_map([], |r| r.get(0))?
+            .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?
             .collect::<Result<_, _>>()?;
-        docs.iter()
-            .map(|d| serde_json::from_str(d).map_err(StoreError::from))
-            .collect()
+        rows.into_iter().map(command_from_row).collect()
     }
 
     /// How many commands have not ended: of `tenant`, and of the sandbox `sandbox_id`.
@@ -614,10 +911,79 @@ impl Store {
 
 /// An operation row: the tenant column is the truth (documents written before
 /// operations had a tenant field say `default`).
-fn operation_from_row((tenant, doc): (String, String)) -> Result<Operation, StoreError> {
+fn operation_from_row(
+    (tenant, version, doc): (String, i64, String),
+) -> Result<Operation, StoreError> {
     let mut op: Operation = serde_json::from_str(&doc)?;
     op.tenant = tenant;
+    op.version = version as u64;
     Ok(op)
+}
+
+/// A sandbox row: the version column is the truth.
+fn sandbox_from_row((version, doc): (i64, String)) -> Result<SandboxRecord, StoreError> {
+    let mut rec: SandboxRecord = serde_json::from_str(&doc)?;
+    rec.sandbox.version = version as u64;
+    Ok(rec)
+}
+
+/// A command row: the version column is the truth.
+fn command_from_row((version, doc): (i64, String)) -> Result<Command, StoreError> {
+    let mut cmd: Command = serde_json::from_str(&doc)?;
+    cmd.version = version as u64;
+    Ok(cmd)
+}
+
+/// Compare-and-swap of a sandbox row; bumps `rec`'s version.
+fn cas_sandbox(conn: &Connection, rec: &mut SandboxRecord) -> Result<(), StoreError> {
+    let read = rec.sandbox.version;
+    rec.sandbox.version = read + 1;
+    let n = conn
+        .prepare_cached(
+            "UPDATE sandboxes SET state = ?2, doc = ?3, version = version + 1
+             WHERE id = ?1 AND version = ?4",
+        )?
+        .execute(params![
+            rec.sandbox.id,
+            rec.sandbox.state.as_str(),
+            serde_json::to_string(rec)?,
+            read as i64
+        ])?;
+    if n != 1 {
+        rec.sandbox.version = read;
+        return Err(StoreError::Conflict {
+            what: "sandbox",
+            id: rec.sandbox.id.clone(),
+            version: read,
+        });
+    }
+    Ok(())
+}
+
+/// Compare-and-swap of an operation row; bumps `op`'s version.
+fn cas_op(conn: &Connection, op: &mut Operation) -> Result<(), StoreError> {
+    let read = op.version;
+    op.version = read + 1;
+    let n = conn
+        .prepare_cached(
+            "UPDATE operations SET status = ?2, doc = ?3, version = version + 1
+             WHERE id = ?1 AND version = ?4",
+        )?
+        .execute(params![
+            op.id,
+            op.status.as_str(),
+            serde_json::to_string(op)?,
+            read as i64
+        ])?;
+    if n != 1 {
+        op.version = read;
+        return Err(StoreError::Conflict {
+            what: "operation",
+            id: op.id.clone(),
+            version: read,
+        });
+    }
+    Ok(())
 }
 
 /// Inline output is a view of the output files, never stored.
@@ -682,24 +1048,6 @@ fn insert_op(conn: &Connection, op: &Operation) -> Result<(), StoreError> {
     Ok(())
 }
 
-fn upsert_op(conn: &Connection, op: &Operation) -> Result<(), StoreError> {
-    conn.execute(
-        "INSERT INTO operations (id, tenant, sandbox_id, kind, status, created_at, doc)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)
-         ON CONFLICT(id) DO UPDATE SET status = excluded.status, doc = excluded.doc",
-        params![
-            op.id,
-            op.tenant,
-            op.sandbox_id,
-            op.kind.as_str(),
-            op.status.as_str(),
-            op.created_at,
-            serde_json::to_string(op)?
-        ],
-    )?;
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -709,6 +1057,7 @@ mod tests {
         SandboxRecord {
             sandbox: Sandbox {
                 id: id.into(),
+                version: 0,
                 tenant: "default".into(),
                 state: SandboxState::Creating,
                 template: "busybox".into(),
@@ -748,6 +1097,7 @@ mod tests {
     fn op(id: &str, sb: &str) -> Operation {
         Operation {
             id: id.into(),
+            version: 0,
             kind: OperationKind::Create,
             status: OperationStatus::Pending,
             sandbox_id: Some(sb.into()),
@@ -762,7 +1112,7 @@ mod tests {
 
     #[test]
     fn sandbox_and_operation_roundtrip() {
-        let s = Store::open_in_memory().unwrap();
+        let s = SqliteStore::open_in_memory().unwrap();
         let mut rec = sandbox("sb_1");
         let mut o = op("op_1", "sb_1");
         s.insert_sandbox(&rec, &o).unwrap();
@@ -770,7 +1120,8 @@ mod tests {
         assert_eq!(s.unfinished_operations().unwrap(), vec![o.clone()]);
         rec.sandbox.state = SandboxState::Running;
         o.status = OperationStatus::Succeeded;
-        s.update_sandbox_and_op(&rec, &o).unwrap();
+        s.update_sandbox_and_op(&mut rec, &mut o).unwrap();
+        assert_eq!((rec.sandbox.version, o.version), (1, 1));
         assert_eq!(
             s.get_sandbox("sb_1").unwrap().unwrap().sandbox.state,
             SandboxState::Running
@@ -784,8 +1135,53 @@ mod tests {
     }
 
     #[test]
+    fn a_write_from_a_stale_read_is_refused_and_changes_nothing() {
+        let s = SqliteStore::open_in_memory().unwrap();
+        let (rec, o) = (sandbox("sb_1"), op("op_1", "sb_1"));
+        s.insert_sandbox(&rec, &o).unwrap();
+        let mut first = s.get_sandbox("sb_1").unwrap().unwrap();
+        let mut second = first.clone();
+        first.sandbox.state = SandboxState::Running;
+        s.update_sandbox(&mut first).unwrap();
+        assert_eq!(first.sandbox.version, 1);
+        // The second writer read version 0: it loses, and the first's change stays.
+        second.sandbox.state = SandboxState::Failed;
+        let err = s.update_sandbox(&mut second).unwrap_err();
+        assert!(
+            matches!(err, StoreError::Conflict { version: 0, .. }),
+            "{err:?}"
+        );
+        assert_eq!(second.sandbox.version, 0);
+        let now = s.get_sandbox("sb_1").unwrap().unwrap();
+        assert_eq!(
+            (now.sandbox.state, now.sandbox.version),
+            (SandboxState::Running, 1)
+        );
+        // A write of a sandbox and an operation is all or nothing.
+        let mut stale_op = s.get_operation("op_1").unwrap().unwrap();
+        let mut fresh = now.clone();
+        let mut op_now = stale_op.clone();
+        op_now.status = OperationStatus::Running;
+        s.update_operation(&mut op_now).unwrap();
+        stale_op.status = OperationStatus::Failed;
+        fresh.sandbox.state = SandboxState::Failed;
+        assert!(s.update_sandbox_and_op(&mut fresh, &mut stale_op).is_err());
+        assert_eq!(
+            s.get_sandbox("sb_1").unwrap().unwrap().sandbox.state,
+            SandboxState::Running
+        );
+        // Bookkeeping writes in place count as changes too.
+        assert!(s
+            .set_sandbox_times("sb_1", "2026-01-01T00:00:00Z", None, false)
+            .unwrap());
+        assert_eq!(s.get_sandbox("sb_1").unwrap().unwrap().sandbox.version, 2);
+        let mut stale = now;
+        assert!(s.update_sandbox(&mut stale).is_err());
+    }
+
+    #[test]
     fn duplicate_sandbox_is_rejected_atomically() {
-        let s = Store::open_in_memory().unwrap();
+        let s = SqliteStore::open_in_memory().unwrap();
         s.insert_sandbox(&sandbox("sb_1"), &op("op_1", "sb_1"))
             .unwrap();
         assert!(s
@@ -797,12 +1193,12 @@ mod tests {
 
     #[test]
     fn every_change_is_an_event_in_order() {
-        let s = Store::open_in_memory().unwrap();
+        let s = SqliteStore::open_in_memory().unwrap();
         let mut rx = s.subscribe_events();
         let mut rec = sandbox("sb_1");
         s.insert_sandbox(&rec, &op("op_1", "sb_1")).unwrap();
         rec.sandbox.state = SandboxState::Running;
-        s.update_sandbox(&rec).unwrap();
+        s.update_sandbox(&mut rec).unwrap();
         assert!(rx.has_changed().unwrap());
         let events = s.events_after("default", 0, 10).unwrap();
         let kinds: Vec<&str> = events.iter().map(|e| e.kind.as_str()).collect();
@@ -825,11 +1221,11 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("space.db");
         {
-            let s = Store::open(&path).unwrap();
+            let s = SqliteStore::open(&path).unwrap();
             s.insert_sandbox(&sandbox("sb_1"), &op("op_1", "sb_1"))
                 .unwrap();
         }
-        let s = Store::open(&path).unwrap();
+        let s = SqliteStore::open(&path).unwrap();
         assert_eq!(s.list_sandboxes().unwrap().len(), 1);
     }
 }

@@ -6,7 +6,7 @@
 
 use rusqlite::{params, OptionalExtension};
 
-use crate::{Store, StoreError};
+use crate::{SqliteStore, StoreError};
 
 /// An API key as `space keys ls` shows it (never the key itself).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -26,7 +26,7 @@ pub struct TenantLimits {
     pub creates_per_minute: Option<u64>,
 }
 
-impl Store {
+impl SqliteStore {
     pub fn insert_api_key(&self, key: &ApiKey, hash: &str) -> Result<(), StoreError> {
         self.conn().execute(
             "INSERT INTO api_keys (id, tenant, hash, name, created_at) VALUES (?1, ?2, ?3, ?4, ?5)",
@@ -170,7 +170,7 @@ mod tests {
 
     #[test]
     fn keys_are_found_by_hash_until_revoked() {
-        let s = Store::open_in_memory().unwrap();
+        let s = SqliteStore::open_in_memory().unwrap();
         let k = ApiKey {
             id: "key_1".into(),
             tenant: "acme".into(),
@@ -195,7 +195,7 @@ mod tests {
 
     #[test]
     fn limits_and_template_owners() {
-        let s = Store::open_in_memory().unwrap();
+        let s = SqliteStore::open_in_memory().unwrap();
         assert_eq!(s.tenant_limits("a").unwrap(), TenantLimits::default());
         let l = TenantLimits {
             max_sandboxes: Some(3),

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
 use clap::Subcommand;
-use space_store::{Store, TenantLimits};
+use space_store::{SqliteStore, TenantLimits};
 
 use space_service::tenancy::{new_key, valid_tenant};
 
@@ -56,10 +56,10 @@ pub enum TenantsCmd {
     },
 }
 
-fn open(data_dir: &Path) -> anyhow::Result<Store> {
+fn open(data_dir: &Path) -> anyhow::Result<SqliteStore> {
     space_runtime::tree::private_dir(data_dir)
         .with_context(|| format!("creating {}", data_dir.display()))?;
-    Store::open(&data_dir.join("space.db"))
+    SqliteStore::open(&data_dir.join("space.db"))
         .with_context(|| format!("opening the database in {}", data_dir.display()))
 }
 

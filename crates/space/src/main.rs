@@ -376,7 +376,7 @@ fn runtimes(
 fn has_api_keys(data_dir: &Path) -> bool {
     let db = data_dir.join("space.db");
     db.exists()
-        && space_store::Store::open(&db)
+        && space_store::SqliteStore::open(&db)
             .and_then(|s| s.list_api_keys(None))
             .is_ok_and(|keys| keys.iter().any(|k| k.revoked_at.is_none()))
 }

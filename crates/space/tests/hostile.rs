@@ -960,7 +960,7 @@ async fn host_probes(rt: &'static str) {
     v = h.next_victim("hostname_and_clock", v, &body).await;
 
     // The agent's token is nowhere a command can read it.
-    let store = space_store::Store::open(&h.s.data_dir().join("space.db")).unwrap();
+    let store = space_store::SqliteStore::open(&h.s.data_dir().join("space.db")).unwrap();
     let token = store.get_sandbox(&v).unwrap().unwrap().agent_token;
     let out = h
         .sh(
