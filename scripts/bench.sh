@@ -5,6 +5,7 @@
 #   commands:  256 MiB stdout throughput, exec latency with 1, 10 and 50 clients
 #   files:     1 GiB up and down through the file API, as a tar and as one file
 #   runtimes:  gvisor and microvm side by side: boot, suspend/resume, snapshot size, exec
+#   list:      GET /v1/sandboxes with 100 running sandboxes (p50, p99) against runsc list
 # Each prints one table; they never fail on speed, only when something breaks.
 # Needs root, like the tests.
 set -euo pipefail
@@ -22,3 +23,4 @@ cargo bench -p space --bench lifecycle
 cargo bench -p space --bench commands
 cargo bench -p space --bench files
 cargo bench -p space --bench runtimes
+cargo bench -p space --bench list

@@ -265,8 +265,14 @@ impl GvisorRuntime {
             .arg(network_flag(networked))
             .arg("--host-uds=open")
             .arg(format!("--overlay2=root:dir={}", overlay.display()))
-            .arg("--cpu-num-from-quota")
-            .args(args)
+            .arg("--cpu-num-from-quota");
+        // For debugging runsc itself: its own logs, one set per sandbox and command.
+        if let Some(dir) = std::env::var_os("SPACE_RUNSC_DEBUG_LOG") {
+            let mut flag = OsString::from("--debug-log=");
+            flag.push(dir);
+            cmd.arg("--debug").arg(flag);
+        }
+        cmd.args(args)
             .stdin(Stdio::null())
             .stdout(console)
             .stderr(console_err)

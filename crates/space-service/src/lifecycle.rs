@@ -190,9 +190,11 @@ impl Service {
         if let Err(e) = &result {
             tracing::warn!(sandbox = %handle.id, operation = %op_id, %kind, error = %e.message, "operation failed");
         }
-        // What the new state costs is known by the time the operation has succeeded.
-        self.sample_cost(&handle.id).await;
-        let _ = self.finish_op(&op_id, result.err());
+        // A success was recorded with the sandbox's new state (`complete`).
+        if let Err(e) = result {
+            self.sample_cost(&handle.id).await;
+            let _ = self.finish_op(&op_id, Some(e));
+        }
         lock(&handle.ops).retain(|(o, _)| *o != op_id);
         drop(guard);
     }
@@ -233,6 +235,31 @@ impl Service {
         .map(drop)
     }
 
+    /// Ends an operation's steps: moves the sandbox along `event` and marks the operation
+    /// succeeded in one write, so nobody sees the new state beside a running operation
+    /// (or the reverse). What the new state costs is sampled first.
+    async fn complete(
+        &self,
+        id: &str,
+        op_id: &str,
+        event: SandboxEvent,
+        f: impl Fn(&mut space_store::SandboxRecord),
+    ) -> Result<(), ApiError> {
+        let now = self.record(id).map_err(internal)?.sandbox.state;
+        let to = transition(now, event).map_err(conflict)?;
+        self.sample_cost_as(id, to).await;
+        self.modify_sandbox_and_op(id, op_id, |rec, op| {
+            rec.sandbox.state = transition(rec.sandbox.state, event).map_err(conflict)?;
+            rec.sandbox.updated_at = now_rfc3339();
+            f(rec);
+            op.status = OperationStatus::Succeeded;
+            op.progress = Some("done".into());
+            op.updated_at = now_rfc3339();
+            Ok::<_, ApiError>(())
+        })
+        .map(drop)
+    }
+
     async fn destroy_steps(
         &self,
         handle: &Arc<SandboxHandle>,
@@ -263,10 +290,11 @@ impl Service {
             return Err(e);
         }
         let _ = std::fs::remove_dir_all(self.snapshot_dir(id));
-        self.advance(id, SandboxEvent::Destroyed, |r| {
+        self.complete(id, op_id, SandboxEvent::Destroyed, |r| {
             r.sandbox.destroyed_at = Some(now_rfc3339());
             r.snapshot_dir = None;
-        })?;
+        })
+        .await?;
         self.forget_handle(id);
         tracing::info!(sandbox = %id, operation = %op_id, "sandbox destroyed");
         Ok(())
@@ -283,7 +311,10 @@ impl Service {
         let paused = self.rt(id).pause(id).await;
         failpoint("pause:after_runtime");
         match paused {
-            Ok(()) => self.advance(id, SandboxEvent::Paused, |_| {}),
+            Ok(()) => {
+                self.complete(id, op_id, SandboxEvent::Paused, |_| {})
+                    .await
+            }
             Err(e) => {
                 let e = runtime_failed(&e);
                 self.settle_after_failure(handle, SandboxEvent::PauseAborted, &e)
@@ -298,7 +329,10 @@ impl Service {
         let from = self.begin(id, op_id, SandboxEvent::ResumeRequested, "resuming")?;
         if from == SandboxState::Paused {
             return match self.rt(id).resume(id).await {
-                Ok(()) => self.advance(id, SandboxEvent::Resumed, |_| {}),
+                Ok(()) => {
+                    self.complete(id, op_id, SandboxEvent::Resumed, |_| {})
+                        .await
+                }
                 Err(e) => {
                     let e = runtime_failed(&e);
                     self.settle_after_failure(handle, SandboxEvent::ResumeAbortedToPaused, &e)
@@ -387,10 +421,11 @@ impl Service {
             self.advance(id, SandboxEvent::ResumeAbortedToSuspended, |_| {})?;
             return Err(e);
         }
-        self.advance(id, SandboxEvent::Resumed, |r| {
+        self.complete(id, op_id, SandboxEvent::Resumed, |r| {
             r.snapshot_dir = None;
             r.sandbox.cost.snapshot_bytes = None;
-        })?;
+        })
+        .await?;
         // The snapshot has served its purpose; the live sandbox is the truth now.
         let _ = std::fs::remove_dir_all(&image);
         self.spawn_monitor(handle);
@@ -492,11 +527,12 @@ impl Service {
         }
         failpoint("suspend:after_checkpoint");
         let bytes = space_runtime::dir_size(&image);
-        self.advance(id, SandboxEvent::Suspended, |r| {
+        self.complete(id, op_id, SandboxEvent::Suspended, |r| {
             r.snapshot_dir = Some(image.to_string_lossy().into_owned());
             r.sandbox.cost.snapshot_bytes = Some(bytes);
             r.sandbox.cost.memory_bytes = None;
-        })?;
+        })
+        .await?;
         tracing::info!(sandbox = %id, operation = %op_id, snapshot_bytes = bytes, "sandbox suspended");
         Ok(())
     }

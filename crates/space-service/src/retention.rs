@@ -180,14 +180,25 @@ impl Service {
         let _ = tokio::task::spawn_blocking(move || svc.sample_cost_now(&id)).await;
     }
 
+    /// Samples what sandbox `id` costs in `state`, the state it is about to be recorded in.
+    pub(crate) async fn sample_cost_as(&self, id: &str, state: SandboxState) {
+        let svc = self.clone();
+        let id = id.to_string();
+        let _ = tokio::task::spawn_blocking(move || svc.sample_cost_in(&id, state)).await;
+    }
+
     fn sample_cost_now(&self, id: &str) {
         let Ok(rec) = self.record(id) else {
             lock(&self.0.costs).remove(id);
             return;
         };
+        self.sample_cost_in(id, rec.sandbox.state);
+    }
+
+    fn sample_cost_in(&self, id: &str, state: SandboxState) {
         let dir = self.sandbox_dir(id);
         let rt = self.rt(id);
-        let cost = match rec.sandbox.state {
+        let cost = match state {
             SandboxState::Running | SandboxState::Paused | SandboxState::Pausing => {
                 space_api::Cost {
                     memory_bytes: rt.resident_bytes(id, &dir),

@@ -416,21 +416,42 @@ async fn crash_during(failpoint: &str, prepare: &str, start: &str) {
     s.kill9();
     s.env = vec![("SPACE_FAILPOINT".into(), failpoint.into())];
     s.restart();
-    let (st, op) = if start == "destroy" {
-        s.delete(&format!("/v1/sandboxes/{sb}")).await
+    let request = if start == "destroy" {
+        s.req(reqwest::Method::DELETE, &format!("/v1/sandboxes/{sb}"))
     } else if start == "create" {
-        s.post("/v1/sandboxes", json!({"template": "busybox"}))
-            .await
+        s.req(reqwest::Method::POST, "/v1/sandboxes")
+            .json(&json!({"template": "busybox"}))
     } else {
-        s.post(&format!("/v1/sandboxes/{sb}/{start}"), json!({}))
-            .await
+        s.req(reqwest::Method::POST, &format!("/v1/sandboxes/{sb}/{start}"))
+            .json(&json!({}))
     };
-    assert_eq!(st, 202, "{op}");
-    let op_id = op["id"].as_str().unwrap().to_string();
-    let target = op["sandbox_id"].as_str().unwrap().to_string();
+    // The crash may come before the answer is out: then the operation is found after
+    // the restart, in the list.
+    let answered = match request.send().await {
+        Ok(resp) => {
+            assert_eq!(resp.status().as_u16(), 202);
+            resp.json::<Value>().await.ok()
+        }
+        Err(_) => None,
+    };
     s.wait_exit();
     s.env.clear();
     s.restart();
+    let op = match answered {
+        Some(op) => op,
+        None => {
+            let (_, ops) = s.get("/v1/operations").await;
+            ops["operations"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|o| o["kind"] == start && (start == "create" || o["sandbox_id"] == sb))
+                .cloned()
+                .unwrap_or_else(|| panic!("no {start} operation after the crash: {ops}"))
+        }
+    };
+    let op_id = op["id"].as_str().unwrap().to_string();
+    let target = op["sandbox_id"].as_str().unwrap().to_string();
 
     let op = s.wait_op(&op_id).await;
     let status = op["status"].as_str().unwrap();

@@ -67,7 +67,10 @@ impl TestServer {
             .append(true)
             .open(self.data.path().join("server.log"))
             .expect("log");
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_space"));
+        // A bench may run another build of the server (a before-and-after figure).
+        let bin = std::env::var_os("SPACE_TEST_SERVER_BIN")
+            .unwrap_or_else(|| env!("CARGO_BIN_EXE_space").into());
+        let mut cmd = Command::new(bin);
         cmd.arg("serve")
             .arg("--dev")
             .arg("--listen")
