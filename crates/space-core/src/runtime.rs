@@ -1,9 +1,12 @@
 //! The `Runtime` trait: what the service needs from an execution unit
-//! (gVisor today, microVMs next). A runtime boots an isolated Linux whose
+//! (gVisor, microVMs). A runtime boots an isolated Linux whose
 //! PID 1 is `space-agent` and gives the agent a way to dial the host's socket;
-//! everything else goes through the agent.
+//! everything else goes through the agent. A runtime also runs template build
+//! steps ([`BuildStep`]): a shell script on a copy of a layer whose result the
+//! host takes back as the next layer.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use async_trait::async_trait;
 
@@ -83,6 +86,119 @@ impl RuntimeError {
     }
 }
 
+/// Longest a single build step may run by default.
+pub const DEFAULT_STEP_TIMEOUT: Duration = Duration::from_secs(15 * 60);
+
+/// What each template build step may use: `vcpus` of CPU, `memory_mib` of memory, `pids`
+/// processes, a disk of `disk_mib` for what it writes (on top of the layer it starts from),
+/// and at most `step_timeout` of time. A build's imports and package downloads are bounded
+/// by `disk_mib` too.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BuildLimits {
+    pub vcpus: u32,
+    pub memory_mib: u64,
+    pub pids: u64,
+    pub disk_mib: u64,
+    pub step_timeout: Duration,
+}
+
+impl Default for BuildLimits {
+    fn default() -> Self {
+        BuildLimits {
+            vcpus: 2,
+            memory_mib: 2048,
+            pids: 1024,
+            disk_mib: 8192,
+            step_timeout: DEFAULT_STEP_TIMEOUT,
+        }
+    }
+}
+
+impl BuildLimits {
+    pub fn disk_bytes(&self) -> u64 {
+        self.disk_mib.saturating_mul(1 << 20)
+    }
+
+    /// The limits in words, for error messages.
+    pub fn describe(&self) -> String {
+        format!(
+            "{} vCPUs, {} MiB of memory, {} processes, {} MiB of disk, {} s",
+            self.vcpus,
+            self.memory_mib,
+            self.pids,
+            self.disk_mib,
+            self.step_timeout.as_secs()
+        )
+    }
+}
+
+/// Any error, boxed (what a [`PrepareRoot`] may fail with).
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Host work on a build step's root directory before the step runs (for example, putting
+/// the packages a step installs there). Runs on a blocking thread.
+pub type PrepareRoot = Box<dyn FnOnce(&Path) -> Result<(), BoxError> + Send>;
+
+/// One template build step for [`Runtime::run_build_step`]: `/bin/sh -c script` as root,
+/// without a network, on a copy of `parent`, within `limits`. What it leaves becomes the
+/// new layer at `rootfs`.
+pub struct BuildStep<'a> {
+    /// Names the step in what the runtime writes to `output` (`step 2/3`).
+    pub label: String,
+    /// The layer the step starts from; never written.
+    pub parent: PathBuf,
+    /// The new layer's root: an empty directory that the runtime fills with what the step
+    /// left (its files only: the caller adds the mount points).
+    pub rootfs: PathBuf,
+    /// A private directory for the runtime's own files (disks, bundles), on the same
+    /// filesystem as `rootfs`; the caller removes it, with whatever is mounted below it.
+    pub work_dir: PathBuf,
+    pub script: String,
+    /// The complete environment of the step.
+    pub env: Vec<(String, String)>,
+    /// Working directory of the step (absolute).
+    pub workdir: String,
+    pub limits: BuildLimits,
+    /// Host directory holding the server's `space-agent` (a microVM boots it).
+    pub agent_dir: PathBuf,
+    pub prepare: Option<PrepareRoot>,
+    /// Receives the step's stdout and stderr as they come, and the runtime's own lines
+    /// (`==> …`).
+    pub output: &'a (dyn Fn(&[u8]) + Send + Sync),
+}
+
+/// A limit a failed build step ran into, when the runtime can tell.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StepLimit {
+    Memory,
+    Disk,
+}
+
+/// Why a build step did not make a layer.
+#[derive(Debug, thiserror::Error)]
+pub enum BuildStepError {
+    /// It ran past `step_timeout` and was killed.
+    #[error("the step ran past its timeout of {}s and was killed", .0.as_secs())]
+    TimedOut(Duration),
+    /// It ended unsuccessfully: `how` is "exited with code 3" or "ended with signal: 9 …".
+    #[error("the step {how}")]
+    Failed {
+        how: String,
+        limit: Option<StepLimit>,
+    },
+    /// It left more file data than it started with than its disk allows (sparse files
+    /// count at their full size: every later copy of the layer may write them out).
+    #[error("the step left {} MiB more file data than it started with", .grown_bytes >> 20)]
+    TooLarge { grown_bytes: u64 },
+    /// What it left cannot be taken into a layer (a tree too deep, say).
+    #[error("the step left files that cannot be kept: {0}")]
+    Unkeepable(String),
+    #[error("preparing the step's root failed")]
+    Prepare(#[source] BoxError),
+    #[error("the step's runtime failed")]
+    Runtime(#[from] RuntimeError),
+}
+
 /// One execution-unit driver. All methods are idempotent where that makes sense
 /// (`destroy` of something already gone succeeds).
 #[async_trait]
@@ -109,6 +225,9 @@ pub trait Runtime: Send + Sync + 'static {
         state_dir: &std::path::Path,
         image_dir: &std::path::Path,
     ) -> Result<(), RuntimeError>;
+    /// Whether `image_dir` holds a checkpoint this runtime finished writing, one that
+    /// `restore` can start from (a checkpoint cut short by a crash does not count).
+    fn snapshot_complete(&self, image_dir: &std::path::Path) -> bool;
     /// Starts the sandbox again from what `checkpoint` saved.
     async fn restore(
         &self,
@@ -132,4 +251,18 @@ pub trait Runtime: Send + Sync + 'static {
     fn stop_reason(&self, _id: &str) -> Option<String> {
         None
     }
+    /// Runs one template build step ([`BuildStep`]) in a sandbox of its own, with its limits,
+    /// and fills `step.rootfs` with what it left. Everything the step ran, mounted or made
+    /// outside `work_dir` is gone when this returns, whatever the outcome, and when the
+    /// future is dropped.
+    async fn run_build_step(&self, _step: BuildStep<'_>) -> Result<(), BuildStepError> {
+        Err(RuntimeError::Unsupported(format!(
+            "the {} runtime does not run template build steps",
+            self.name()
+        ))
+        .into())
+    }
+    /// Removes what build steps of an earlier run of the server left behind (a killed
+    /// server's build containers or VMs). Called at start, before any build.
+    async fn remove_build_leftovers(&self) {}
 }

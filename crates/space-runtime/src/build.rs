@@ -17,8 +17,7 @@ use std::io::{self, Read, Seek, SeekFrom, Write};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Component, Path, PathBuf};
 use std::process::Stdio;
-use std::sync::Mutex;
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
 
 use base64::Engine;
 use serde::{Deserialize, Serialize};
@@ -34,6 +33,9 @@ use crate::template::{
 };
 use crate::tree::Dir;
 
+use space_core::runtime::{BoxError, BuildStep, BuildStepError, PrepareRoot, Runtime, StepLimit};
+pub use space_core::runtime::{BuildLimits, DEFAULT_STEP_TIMEOUT};
+
 /// Largest recipe body the server accepts (files are inlined in it).
 pub const MAX_RECIPE_BYTES: usize = 32 << 20;
 /// Bumped when the way layers are made changes, so old cache entries are not reused.
@@ -43,8 +45,6 @@ const MAX_STEPS: usize = 100;
 const MAX_SCRIPT_BYTES: usize = 64 * 1024;
 const MAX_PACKAGES: usize = 200;
 const MAX_ENV: usize = 256;
-/// Longest a single step may run.
-pub const DEFAULT_STEP_TIMEOUT: Duration = Duration::from_secs(15 * 60);
 /// Longest a ready check may be given.
 const MAX_READY_TIMEOUT: u64 = 3600;
 const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
@@ -526,55 +526,13 @@ pub fn tail_of(path: &Path, lines: usize) -> String {
     all[all.len().saturating_sub(lines)..].join("\n")
 }
 
-/// What each build step may use. Every step runs in a gVisor sandbox of its own: `vcpus` of
-/// CPU quota, `memory_mib` of memory, `pids` processes, a disk of `disk_mib` for what it writes
-/// (on top of the layer it starts from), and at most `step_timeout` of time. Imports and
-/// package downloads are bounded by `disk_mib` too.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct BuildLimits {
-    pub vcpus: u32,
-    pub memory_mib: u64,
-    pub pids: u64,
-    pub disk_mib: u64,
-    pub step_timeout: Duration,
-}
-
-impl Default for BuildLimits {
-    fn default() -> Self {
-        BuildLimits {
-            vcpus: 2,
-            memory_mib: 2048,
-            pids: 1024,
-            disk_mib: 8192,
-            step_timeout: DEFAULT_STEP_TIMEOUT,
-        }
-    }
-}
-
-impl BuildLimits {
-    fn disk_bytes(&self) -> u64 {
-        self.disk_mib.saturating_mul(1 << 20)
-    }
-
-    fn describe(&self) -> String {
-        format!(
-            "{} vCPUs, {} MiB of memory, {} processes, {} MiB of disk, {} s",
-            self.vcpus,
-            self.memory_mib,
-            self.pids,
-            self.disk_mib,
-            self.step_timeout.as_secs()
-        )
-    }
-}
-
-/// Runs recipe builds: where runsc is and what each step may use.
-#[derive(Debug, Clone)]
+/// Runs recipe builds: the runtime that runs their steps and what each step may use.
+#[derive(Clone)]
 pub struct Builder {
-    pub runsc: PathBuf,
-    /// `runsc --root` for build containers.
-    pub runsc_root: PathBuf,
-    pub platform: String,
+    /// Runs every build step ([`Runtime::run_build_step`]).
+    pub runtime: Arc<dyn Runtime>,
+    /// The server's agent directory (a microVM step boots that agent).
+    pub agent_dir: PathBuf,
     pub limits: BuildLimits,
 }
 
@@ -585,9 +543,6 @@ struct Layer {
     /// False for a base that is another template's rootfs outside the layer cache.
     in_cache: bool,
 }
-
-/// Something run in the step's root before the step (the packages a step installs, say).
-type Prepare = Box<dyn FnOnce(&Path) -> Result<(), TemplateError> + Send>;
 
 impl Builder {
     /// Builds `recipe` into a new version of its template (or returns the current version when
@@ -920,7 +875,8 @@ impl Builder {
         ));
         debian::download(name, &parent, &apt, packages, self.limits.disk_bytes(), log).await?;
         let apt2 = apt.clone();
-        let prepare: Prepare = Box::new(move |root: &Path| debian::stage(&apt2, root));
+        let prepare: PrepareRoot =
+            Box::new(move |root: &Path| debian::stage(&apt2, root).map_err(BoxError::from));
         let script = debian::install_script(packages);
         let env = vec![
             ("PATH".to_owned(), DEFAULT_PATH.to_owned()),
@@ -945,9 +901,8 @@ impl Builder {
         r.and(removed)
     }
 
-    /// Runs one step in a gVisor sandbox whose writable root is a copy of `parent` on a disk
-    /// of its own (the layer plus the build's disk quota), then copies what the step left
-    /// into `rootfs`, the new layer.
+    /// Runs one step on a copy of `parent` in the build runtime (a sandbox of its own with
+    /// the build's limits), which leaves what the step made in `rootfs`, the new layer.
     #[allow(clippy::too_many_arguments)]
     async fn run_step(
         &self,
@@ -960,330 +915,113 @@ impl Builder {
         env: &[(String, String)],
         workdir: &str,
         log: &BuildLog,
-        prepare: Option<Prepare>,
+        prepare: Option<PrepareRoot>,
     ) -> Result<(), TemplateError> {
+        let Some(tmp) = rootfs.parent().map(Path::to_owned) else {
+            return Err(TemplateError::Build {
+                name: name.to_owned(),
+                message: "layer directory has no parent".into(),
+            });
+        };
+        // The runtime's own files; whatever it leaves there is not part of the layer.
+        let work_dir = tmp.join("work");
+        make_dir(&work_dir, 0o700)?;
+        let output = |data: &[u8]| log.append(data);
+        let step = BuildStep {
+            label: format!("step {n}/{total}"),
+            parent,
+            rootfs: rootfs.clone(),
+            work_dir: work_dir.clone(),
+            script: script.to_owned(),
+            env: env.to_vec(),
+            workdir: workdir.to_owned(),
+            limits: self.limits,
+            agent_dir: self.agent_dir.clone(),
+            prepare,
+            output: &output,
+        };
+        let ran = self.runtime.run_build_step(step).await;
+        if let Err(e) = ran {
+            return Err(self.step_failed(name, n, total, script, log, e));
+        }
+        blocking(name, move || {
+            crate::disk::detach_below(&work_dir);
+            remove_tree(&work_dir)?;
+            add_mount_points(&rootfs)
+        })
+        .await
+    }
+
+    /// The error of a failed step, in the build's terms (and a line in its log).
+    fn step_failed(
+        &self,
+        name: &str,
+        n: usize,
+        total: usize,
+        script: &str,
+        log: &BuildLog,
+        e: BuildStepError,
+    ) -> TemplateError {
         let fail = |message: String| TemplateError::Build {
             name: name.to_owned(),
             message,
         };
-        let Some(tmp) = rootfs.parent().map(Path::to_owned) else {
-            return Err(fail("layer directory has no parent".into()));
-        };
-        let step_root = tmp.join("step");
-        let disk = StepDisk::create(name, &tmp, &parent, &step_root, self.limits).await?;
-        if let Some(prepare) = prepare {
-            let root = step_root.clone();
-            blocking(name, move || prepare(&root)).await?;
-        }
-        let bundle = tmp.join("bundle");
-        make_dir(&bundle, 0o700)?;
-        let mut random = [0u8; 8];
-        getrandom::getrandom(&mut random).map_err(|e| fail(format!("random: {e}")))?;
-        let id = format!("spacebuild-{}", hex(&random));
-        let spec = step_spec(&step_root, script, env, workdir, &self.limits, &id);
-        let config = bundle.join("config.json");
-        fs::write(&config, spec.to_string()).at("write", &config)?;
-        fs::create_dir_all(&self.runsc_root).at("create", &self.runsc_root)?;
-
-        let mut cmd = tokio::process::Command::new(&self.runsc);
-        cmd.arg("--root")
-            .arg(&self.runsc_root)
-            .arg(format!("--platform={}", self.platform))
-            .args(["--network=none", "--overlay2=none", "--cpu-num-from-quota"])
-            .arg("run")
-            .arg("--bundle")
-            .arg(&bundle)
-            .arg(&id)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .process_group(0)
-            .kill_on_drop(true);
-        let guard = Container {
-            runsc: self.runsc.clone(),
-            root: self.runsc_root.clone(),
-            id: id.clone(),
-        };
-        // Made here, so runsc joins it and leaves it behind: its OOM count says afterwards
-        // whether the host killed the step for memory.
-        let memcg = memory_cgroup(&id);
-        if let Some(dir) = &memcg {
-            let _ = fs::create_dir_all(dir);
-        }
-        let mut child = cmd.spawn().at("run", &self.runsc)?;
-        log.line(&format!("==> container {id} runs step {n}/{total}"));
-        // The step's output reaches the log through the server, which caps it.
-        let copy = |pipe: Option<Box<dyn tokio::io::AsyncRead + Unpin + Send>>| async move {
-            use tokio::io::AsyncReadExt;
-            let Some(mut pipe) = pipe else { return };
-            let mut buf = vec![0u8; 1 << 20];
-            while let Ok(n) = pipe.read(&mut buf).await {
-                if n == 0 {
-                    break;
-                }
-                log.append(&buf[..n]);
-            }
-        };
-        let out = child
-            .stdout
-            .take()
-            .map(|p| Box::new(p) as Box<dyn tokio::io::AsyncRead + Unpin + Send>);
-        let err = child
-            .stderr
-            .take()
-            .map(|p| Box::new(p) as Box<dyn tokio::io::AsyncRead + Unpin + Send>);
-        let limit = self.limits.step_timeout;
-        let status = tokio::time::timeout(limit, async {
-            let mut copying = std::pin::pin!(async { tokio::join!(copy(out), copy(err)) });
-            let mut copied = false;
-            let status = loop {
-                tokio::select! {
-                    s = child.wait() => break s,
-                    _ = &mut copying, if !copied => copied = true,
-                }
-            };
-            // What is still in the pipes; a process that kept them open does not hold the build.
-            if !copied {
-                let _ = tokio::time::timeout(Duration::from_secs(10), copying).await;
-            }
-            status
-        })
-        .await;
-        let oom = memcg.as_deref().is_some_and(oom_kills);
-        drop(guard); // kill + delete the container on every path (also when this future is dropped)
-        let _ = fs::remove_dir_all(&bundle);
-        let status = match status {
-            Ok(s) => s.at("wait for", &self.runsc)?,
-            Err(_) => {
+        let limits = self.limits.describe();
+        match e {
+            BuildStepError::TimedOut(limit) => {
                 log.line(&format!(
                     "==> step {n}/{total} killed: it ran past its timeout of {}s",
                     limit.as_secs()
                 ));
-                return Err(fail(format!(
-                    "step {n}/{total} did not finish within its timeout of {}s and was killed; a step may use {}; last lines of the build log:\n{}",
+                fail(format!(
+                    "step {n}/{total} did not finish within its timeout of {}s and was killed; a step may use {limits}; last lines of the build log:\n{}",
                     limit.as_secs(),
-                    self.limits.describe(),
                     log.tail()
-                )));
+                ))
             }
-        };
-        if !status.success() {
-            let how = match status.code() {
-                Some(code) => format!("exited with code {code}"),
-                None => format!("ended with {status}"),
-            };
-            let why = if oom {
-                format!(
-                    " (it ran out of its memory limit of {} MiB)",
-                    self.limits.memory_mib
-                )
-            } else if disk.is_full() {
-                format!(" (its disk of {} MiB is full)", self.limits.disk_mib)
-            } else {
-                String::new()
-            };
-            log.line(&format!("==> step {n}/{total} failed: {how}{why}"));
-            return Err(fail(format!(
-                "step {n}/{total} (`{}`) {how}{why}; a step may use {}; last lines of the build log:\n{}",
-                cut(&one_line(script), 100),
-                self.limits.describe(),
-                log.tail()
-            )));
-        }
-        // Holes count: a sparse file takes no room on the step's disk, but every later copy
-        // of the layer (a snapshot of a sandbox, a microVM's disk image) may write it out.
-        let (parent2, root2) = (parent.clone(), step_root.clone());
-        let measured = blocking(name, move || {
-            let before = crate::tree::apparent_size(&parent2).at("measure", &parent2)?;
-            let after = crate::tree::apparent_size(&root2).map_err(|e| TemplateError::Build {
-                name: String::new(),
-                message: e.to_string(),
-            })?;
-            Ok((before, after))
-        })
-        .await;
-        let (before, after) = match measured {
-            Ok(m) => m,
-            Err(TemplateError::Build { message, .. }) => {
+            BuildStepError::Failed { how, limit } => {
+                let why = match limit {
+                    Some(StepLimit::Memory) => format!(
+                        " (it ran out of its memory limit of {} MiB)",
+                        self.limits.memory_mib
+                    ),
+                    Some(StepLimit::Disk) => {
+                        format!(" (its disk of {} MiB is full)", self.limits.disk_mib)
+                    }
+                    None => String::new(),
+                };
+                log.line(&format!("==> step {n}/{total} failed: {how}{why}"));
+                fail(format!(
+                    "step {n}/{total} (`{}`) {how}{why}; a step may use {limits}; last lines of the build log:\n{}",
+                    cut(&one_line(script), 100),
+                    log.tail()
+                ))
+            }
+            BuildStepError::TooLarge { grown_bytes } => {
+                let line = format!(
+                    "step {n}/{total} left {} MiB more file data than it started with, more than its disk of {} MiB (sparse files count at their full size)",
+                    grown_bytes >> 20,
+                    self.limits.disk_mib
+                );
+                log.line(&format!("==> {line}"));
+                fail(format!("{line}; a step may use {limits}"))
+            }
+            BuildStepError::Unkeepable(message) => {
                 let line = format!("step {n}/{total} left files that cannot be kept: {message}");
                 log.line(&format!("==> {line}"));
-                return Err(fail(format!(
-                    "{line}; a step may use {}",
-                    self.limits.describe()
-                )));
+                fail(format!("{line}; a step may use {limits}"))
             }
-            Err(e) => return Err(e),
-        };
-        if after.saturating_sub(before) > self.limits.disk_bytes() {
-            let line = format!(
-                "step {n}/{total} left {} MiB more file data than it started with, more than its disk of {} MiB (sparse files count at their full size)",
-                (after - before) >> 20,
-                self.limits.disk_mib
-            );
-            log.line(&format!("==> {line}"));
-            return Err(fail(format!(
-                "{line}; a step may use {}",
-                self.limits.describe()
-            )));
+            BuildStepError::Prepare(e) => match e.downcast::<TemplateError>() {
+                Ok(e) => *e,
+                Err(e) => fail(format!("preparing step {n}/{total}: {}", chain(e.as_ref()))),
+            },
+            BuildStepError::Runtime(e) => {
+                let line = format!("step {n}/{total} could not run: {}", chain(&e));
+                log.line(&format!("==> {line}"));
+                fail(line)
+            }
         }
-        let (from, to) = (step_root.clone(), rootfs.clone());
-        blocking(name, move || {
-            // Nothing runs in the step's root any more: a plain copy that never follows a
-            // link (cp -a) into the fresh layer directory.
-            run_tool(
-                "step",
-                std::process::Command::new("cp")
-                    .args(["-a", "--"])
-                    .arg(from.join("."))
-                    .arg(&to),
-            )
-        })
-        .await?;
-        disk.remove().await?;
-        let rootfs2 = rootfs.clone();
-        blocking(name, move || add_mount_points(&rootfs2)).await
     }
-}
-
-/// The disk a build step writes to: a sparse ext4 image sized to the layer it starts from
-/// plus the build's disk quota, mounted (nodev, nosuid) at the step's root, which starts as a
-/// copy of the parent layer. Unmounted and deleted on every path.
-struct StepDisk {
-    image: PathBuf,
-    mount_point: PathBuf,
-    armed: bool,
-}
-
-impl StepDisk {
-    async fn create(
-        name: &str,
-        tmp: &Path,
-        parent: &Path,
-        mount_point: &Path,
-        limits: BuildLimits,
-    ) -> Result<StepDisk, TemplateError> {
-        let image = tmp.join("disk.img");
-        let (parent2, image2) = (parent.to_owned(), image.clone());
-        let inodes = blocking(name, move || {
-            let (bytes, inodes) = usage(&parent2)?;
-            let mib = (bytes >> 20) + limits.disk_mib;
-            // Room for ext4 itself; inodes for what the parent has and a generous share of
-            // the quota (one per 16 KiB).
-            let size = (mib + (mib / 16).max(16)) << 20;
-            let f = File::create(&image2).at("create", &image2)?;
-            f.set_len(size).at("size", &image2)?;
-            Ok(inodes + (limits.disk_mib * 64).max(16_384))
-        })
-        .await?;
-        let mut disk = StepDisk {
-            image: image.clone(),
-            mount_point: mount_point.to_owned(),
-            armed: true,
-        };
-        let (image2, mp, parent2, name2) = (
-            image.clone(),
-            mount_point.to_owned(),
-            parent.to_owned(),
-            name.to_owned(),
-        );
-        blocking(name, move || {
-            run_tool(
-                &name2,
-                std::process::Command::new("mkfs.ext4")
-                    .args(["-q", "-F", "-O", "^has_journal", "-m", "0", "-N"])
-                    .arg(inodes.to_string())
-                    .args(["-E", "nodiscard,lazy_itable_init=1"])
-                    .arg(&image2),
-            )?;
-            make_dir(&mp, 0o755)?;
-            run_tool(
-                &name2,
-                std::process::Command::new("mount")
-                    .args(["-t", "ext4", "-o", "loop,nodev,nosuid"])
-                    .arg(&image2)
-                    .arg(&mp),
-            )?;
-            // mkfs's lost+found would end up in the template.
-            fs::remove_dir(mp.join("lost+found")).at("remove", &mp.join("lost+found"))?;
-            run_tool(
-                &name2,
-                std::process::Command::new("cp")
-                    .args(["-a", "--"])
-                    .arg(parent2.join("."))
-                    .arg(&mp),
-            )
-        })
-        .await
-        .inspect_err(|_| disk.release())?;
-        Ok(disk)
-    }
-
-    /// Whether the step filled its disk.
-    fn is_full(&self) -> bool {
-        let Ok(path) = std::ffi::CString::new(self.mount_point.as_os_str().as_encoded_bytes())
-        else {
-            return false;
-        };
-        // SAFETY: a valid C string and a zeroed out-parameter of the right type.
-        let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
-        if unsafe { libc::statvfs(path.as_ptr(), &mut st) } != 0 {
-            return false;
-        }
-        st.f_bavail.saturating_mul(st.f_frsize) < 1 << 20 || st.f_favail == 0
-    }
-
-    async fn remove(mut self) -> Result<(), TemplateError> {
-        tokio::task::spawn_blocking(move || self.release())
-            .await
-            .map_err(|e| TemplateError::Io(io::Error::other(e)))
-    }
-
-    fn release(&mut self) {
-        if !std::mem::take(&mut self.armed) {
-            return;
-        }
-        unmount_below(&self.mount_point);
-        let _ = fs::remove_dir(&self.mount_point);
-        let _ = fs::remove_file(&self.image);
-    }
-}
-
-impl Drop for StepDisk {
-    fn drop(&mut self) {
-        self.release();
-    }
-}
-
-/// Unmounts (lazily, so a busy mount cannot keep a build from cleaning up) every mount at or
-/// below `dir`, deepest first.
-pub(crate) fn unmount_below(dir: &Path) {
-    let mut points = crate::disk::mounts_below(dir);
-    points.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
-    for p in points {
-        let _ = std::process::Command::new("umount")
-            .arg("-l")
-            .arg(&p)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status();
-    }
-}
-
-/// Disk blocks (hard links counted once) and entries of a layer.
-fn usage(rootfs: &Path) -> Result<(u64, u64), TemplateError> {
-    let dir = Dir::open(rootfs).at("open", rootfs)?;
-    let mut seen = std::collections::HashSet::new();
-    let (mut bytes, mut entries) = (0u64, 1u64);
-    dir.walk(&mut |_, st, _| {
-        entries += 1;
-        if seen.insert((st.st_dev, st.st_ino)) {
-            bytes = bytes.saturating_add(st.st_blocks.max(0) as u64 * 512);
-        }
-        Ok(())
-    })
-    .at("measure", rootfs)?;
-    Ok((bytes, entries))
 }
 
 /// Removes device nodes, fifos and sockets from an imported tree: a sandbox's /dev comes
@@ -1337,157 +1075,13 @@ fn write_files(name: &str, rootfs: &Path, files: &[FileEntry]) -> Result<(), Tem
     Ok(())
 }
 
-/// The OCI spec of a build step: the step's disk as a writable root, root user, no network,
-/// the build's CPU, memory and process limits.
-fn step_spec(
-    rootfs: &Path,
-    script: &str,
-    env: &[(String, String)],
-    workdir: &str,
-    limits: &BuildLimits,
-    id: &str,
-) -> serde_json::Value {
-    let caps = [
-        "CAP_CHOWN",
-        "CAP_DAC_OVERRIDE",
-        "CAP_FSETID",
-        "CAP_FOWNER",
-        "CAP_MKNOD",
-        "CAP_NET_RAW",
-        "CAP_SETGID",
-        "CAP_SETUID",
-        "CAP_SETFCAP",
-        "CAP_SETPCAP",
-        "CAP_NET_BIND_SERVICE",
-        "CAP_SYS_CHROOT",
-        "CAP_KILL",
-        "CAP_AUDIT_WRITE",
-    ];
-    let mut env: Vec<String> = env.iter().map(|(k, v)| format!("{k}={v}")).collect();
-    if !env.iter().any(|e| e.starts_with("HOME=")) {
-        env.push("HOME=/root".to_owned());
-    }
-    let pids = limits.pids.max(16);
-    serde_json::json!({
-        "ociVersion": "1.0.2",
-        "process": {
-            "terminal": false,
-            "user": {"uid": 0, "gid": 0},
-            "args": ["/bin/sh", "-c", script],
-            "env": env,
-            "cwd": workdir,
-            "capabilities": {"bounding": caps, "effective": caps, "permitted": caps},
-            // gVisor enforces RLIMIT_NPROC for root without CAP_SYS_RESOURCE; a fork bomb
-            // then fails its forks instead of crashing the sentry at the host's pids limit.
-            "rlimits": [
-                {"type": "RLIMIT_NOFILE", "hard": 1_048_576, "soft": 1_048_576},
-                {"type": "RLIMIT_NPROC", "hard": pids, "soft": pids}
-            ],
-            "noNewPrivileges": false
-        },
-        "root": {"path": rootfs, "readonly": false},
-        "hostname": "build",
-        "mounts": [
-            {"destination": "/proc", "type": "proc", "source": "proc"},
-            {"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
-             "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]},
-            {"destination": "/dev/pts", "type": "devpts", "source": "devpts",
-             "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"]},
-            {"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
-             "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]},
-            {"destination": "/sys", "type": "sysfs", "source": "sysfs",
-             "options": ["nosuid", "noexec", "nodev", "ro"]},
-            {"destination": "/tmp", "type": "tmpfs", "source": "tmpfs",
-             "options": ["nosuid", "nodev", "mode=1777", "size=65536k"]}
-        ],
-        "linux": {
-            "namespaces": [
-                {"type": "pid"}, {"type": "network"}, {"type": "ipc"},
-                {"type": "uts"}, {"type": "mount"}
-            ],
-            "resources": {
-                "cpu": {"quota": i64::from(limits.vcpus.max(1)) * 100_000, "period": 100_000},
-                "memory": {"limit": limits.memory_mib.saturating_mul(1 << 20)},
-                // A safety net for the sentry's own threads (see gvisor.rs).
-                "pids": {"limit": pids.saturating_mul(4).saturating_add(256)}
-            },
-            "cgroupsPath": format!("/{BUILD_CGROUP}/{id}")
-        }
-    })
-}
-
-/// The cgroup parent of build containers.
-const BUILD_CGROUP: &str = "space-build";
-
-/// A build container: killed and deleted when dropped, whatever happened.
-struct Container {
-    runsc: PathBuf,
-    root: PathBuf,
-    id: String,
-}
-
-impl Drop for Container {
-    fn drop(&mut self) {
-        for args in [
-            vec!["kill", self.id.as_str(), "KILL"],
-            vec!["delete", "--force", self.id.as_str()],
-        ] {
-            let _ = std::process::Command::new(&self.runsc)
-                .arg("--root")
-                .arg(&self.root)
-                .args(&args)
-                .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .status();
-        }
-        remove_build_cgroups(&self.id);
-    }
-}
-
-/// The memory cgroup of build container `id` (cgroup v1 or v2), where it is mounted.
-fn memory_cgroup(id: &str) -> Option<PathBuf> {
-    let v1 = Path::new("/sys/fs/cgroup/memory");
-    let base = if v1.is_dir() {
-        v1.to_owned()
-    } else if Path::new("/sys/fs/cgroup/cgroup.controllers").exists() {
-        PathBuf::from("/sys/fs/cgroup")
-    } else {
-        return None;
-    };
-    Some(base.join(BUILD_CGROUP).join(id))
-}
-
-/// Whether the kernel killed a process of the memory cgroup `dir` for memory.
-fn oom_kills(dir: &Path) -> bool {
-    ["memory.oom_control", "memory.events"].iter().any(|f| {
-        fs::read_to_string(dir.join(f)).is_ok_and(|t| {
-            t.lines().any(|l| {
-                l.strip_prefix("oom_kill ")
-                    .and_then(|n| n.trim().parse::<u64>().ok())
-                    .is_some_and(|n| n > 0)
-            })
-        })
-    })
-}
-
-/// Removes the cgroup directories runsc may leave behind for build container `id`.
-pub fn remove_build_cgroups(id: &str) {
-    let Ok(controllers) = fs::read_dir("/sys/fs/cgroup") else {
-        return;
-    };
-    for c in controllers.flatten() {
-        let _ = fs::remove_dir(c.path().join(BUILD_CGROUP).join(id));
-    }
-}
-
 /// Removes a half-built layer directory unless forgotten.
 struct RemoveOnDrop(Option<PathBuf>);
 
 impl Drop for RemoveOnDrop {
     fn drop(&mut self) {
         if let Some(p) = self.0.take() {
-            unmount_below(&p);
+            crate::disk::detach_below(&p);
             if let Err(e) = remove_tree(&p) {
                 tracing::warn!(path = %p.display(), error = %e, "cannot remove a failed layer build");
             }
@@ -1510,7 +1104,7 @@ fn prepare_layer_dir(
             .to_str()
             .is_some_and(|n| n.starts_with(&prefix))
         {
-            unmount_below(&entry.path());
+            crate::disk::detach_below(&entry.path());
             let _ = remove_tree(&entry.path());
         }
     }
@@ -1559,7 +1153,7 @@ pub fn sweep_abandoned_layers(store: &TemplateStore) {
             continue;
         };
         tracing::warn!(path = %e.path().display(), "removing a layer a killed build left half-made");
-        unmount_below(&e.path());
+        crate::disk::detach_below(&e.path());
         if let Err(err) = remove_tree(&e.path()) {
             tracing::warn!(path = %e.path().display(), error = %err, "cannot remove a half-made layer");
         }
@@ -1605,6 +1199,18 @@ fn cache_key(parts: &[&str]) -> String {
         h.update(p.as_bytes());
     }
     hex(&h.finalize())
+}
+
+/// An error and its causes, one after the other.
+fn chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
 }
 
 fn one_line(s: &str) -> String {

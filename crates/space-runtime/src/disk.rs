@@ -100,6 +100,23 @@ pub async fn unmount_below(dir: &Path) -> Result<(), RuntimeError> {
     Ok(())
 }
 
+/// Unmounts every mount at or below `dir`, deepest first, lazily (a busy mount cannot keep a
+/// clean-up from going on) and without waiting on an async runtime: for `Drop`s and blocking
+/// threads.
+pub(crate) fn detach_below(dir: &Path) {
+    let mut points = mounts_below(dir);
+    points.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
+    for p in points {
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(&p)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .status();
+    }
+}
+
 /// Every mount point at or below `dir`.
 pub(crate) fn mounts_below(dir: &Path) -> Vec<PathBuf> {
     let dir = &canonical(dir);
@@ -187,22 +204,7 @@ fn unescape(s: &str) -> String {
 }
 
 async fn tool(name: &str, cmd: &mut Command) -> Result<(), RuntimeError> {
-    let out = cmd
-        .stdin(std::process::Stdio::null())
-        .output()
-        .await
-        .map_err(|e| RuntimeError::io(format!("running {name}"), e))?;
-    if out.status.success() {
-        return Ok(());
-    }
-    let mut message = String::from_utf8_lossy(&out.stderr).trim().to_owned();
-    if message.is_empty() {
-        message = format!("exited with {}", out.status);
-    }
-    Err(RuntimeError::Tool {
-        tool: name.to_owned(),
-        message,
-    })
+    crate::process::run_tool(name, cmd).await.map(|_| ())
 }
 
 #[cfg(test)]

@@ -23,10 +23,15 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use serde_json::json;
-use space_core::runtime::{Runtime, RuntimeError, RuntimeStatus, SandboxSpec};
+use space_core::runtime::{
+    BuildStep, BuildStepError, Runtime, RuntimeError, RuntimeStatus, SandboxSpec,
+};
 use tokio::process::Command;
 
+mod step;
+
 use crate::lend::{self, Lent};
+use crate::process::{self, tail_text, Backoff, Kill};
 use crate::{disk, net};
 
 /// Where the agent binary's directory is mounted inside the sandbox.
@@ -35,6 +40,9 @@ pub const AGENT_DIR_IN_SANDBOX: &str = "/.space/bin";
 pub const RUN_DIR_IN_SANDBOX: &str = "/.space/run";
 /// cgroup parent of every sandbox.
 const CGROUP_PARENT: &str = "space";
+/// What `runsc checkpoint` writes last into its image directory (memory, processes and the
+/// writable layer).
+const CHECKPOINT_FILE: &str = "checkpoint.img";
 /// The agent's stdout and stderr, in the sandbox's log directory.
 pub const CONSOLE_LOG: &str = "console.log";
 
@@ -44,14 +52,17 @@ pub struct GvisorRuntime {
     runsc: PathBuf,
     /// `runsc --root`: runsc's own state for every container of this server.
     state_root: PathBuf,
+    /// `runsc --root` of template build steps.
+    build_root: PathBuf,
     platform: String,
 }
 
 impl GvisorRuntime {
-    pub fn new(runsc: PathBuf, state_root: PathBuf, platform: String) -> Self {
+    pub fn new(runsc: PathBuf, state_root: PathBuf, build_root: PathBuf, platform: String) -> Self {
         GvisorRuntime {
             runsc,
             state_root,
+            build_root,
             platform,
         }
     }
@@ -88,25 +99,16 @@ impl GvisorRuntime {
     }
 
     async fn run_net(&self, args: &[&str], networked: bool) -> Result<Vec<u8>, RuntimeError> {
-        let out = self
-            .command_net(args, networked)
-            .output()
-            .await
-            .map_err(|e| RuntimeError::io(format!("running {}", self.runsc.display()), e))?;
-        if out.status.success() {
-            Ok(out.stdout)
-        } else {
-            Err(RuntimeError::Tool {
-                tool: format!(
-                    "runsc {}",
-                    args.iter()
-                        .find(|a| !a.starts_with('-'))
-                        .copied()
-                        .unwrap_or_default()
-                ),
-                message: tail_text(&out.stderr, 1000),
-            })
-        }
+        let sub = args
+            .iter()
+            .find(|a| !a.starts_with('-'))
+            .copied()
+            .unwrap_or_default();
+        process::run_tool(
+            &format!("runsc {sub}"),
+            &mut self.command_net(args, networked),
+        )
+        .await
     }
 
     /// The OCI runtime spec of a sandbox, whose host paths are the read-only binds of `lent`.
@@ -243,16 +245,6 @@ impl GvisorRuntime {
     /// the server). Root inside can write to it (`/proc/1/fd/1`), so the file is on the
     /// sandbox's log tmpfs ([`lend::mount_log`]): a flood fills that and nothing else.
     async fn launch(&self, state_dir: &Path, args: &[OsString]) -> Result<(), RuntimeError> {
-        let console_path = lend::mount_log(state_dir)?.join(CONSOLE_LOG);
-        let console = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&console_path)
-            .map_err(|e| RuntimeError::io("opening the console log", e))?;
-        let console_err = console
-            .try_clone()
-            .map_err(|e| RuntimeError::io("opening the console log", e))?;
-        let before = console.metadata().map(|m| m.len()).unwrap_or(0);
         let overlay = state_dir.join("overlay");
         let networked = is_networked(state_dir);
         let mut cmd = Command::new(&self.runsc);
@@ -272,19 +264,13 @@ impl GvisorRuntime {
             flag.push(dir);
             cmd.arg("--debug").arg(flag);
         }
-        cmd.args(args)
-            .stdin(Stdio::null())
-            .stdout(console)
-            .stderr(console_err)
-            // Its own process group: a signal to the server's group must not reach sandboxes.
-            .process_group(0);
-        let status = cmd
-            .status()
+        cmd.args(args);
+        let (mut child, log) = process::launch(&mut cmd, state_dir, CONSOLE_LOG)?;
+        let status = child
+            .wait()
             .await
             .map_err(|e| RuntimeError::io(format!("running {}", self.runsc.display()), e))?;
         if !status.success() {
-            let log = std::fs::read(&console_path).unwrap_or_default();
-            let start = usize::try_from(before).unwrap_or(0).min(log.len());
             return Err(RuntimeError::Tool {
                 tool: format!(
                     "runsc {}",
@@ -292,7 +278,7 @@ impl GvisorRuntime {
                         .map(|a| a.to_string_lossy())
                         .unwrap_or_default()
                 ),
-                message: tail_text(&log[start..], 1000),
+                message: log.tail(1000),
             });
         }
         Ok(())
@@ -468,7 +454,7 @@ impl Runtime for GvisorRuntime {
         .await?;
         // The sandbox stops by itself once its state is saved (a forced delete
         // would only race it); then release what is left of it.
-        let mut delay = Duration::from_millis(5);
+        let mut backoff = Backoff::polling();
         let start = std::time::Instant::now();
         loop {
             match self.status(id).await? {
@@ -486,8 +472,7 @@ impl Runtime for GvisorRuntime {
                 }
                 _ => {}
             }
-            tokio::time::sleep(delay).await;
-            delay = (delay * 2).min(Duration::from_millis(50));
+            backoff.wait().await;
         }
         let bundle = format!("--bundle={}", state_dir.join("bundle").display());
         wait_for_processes_gone(&bundle).await?;
@@ -498,6 +483,10 @@ impl Runtime for GvisorRuntime {
         // The snapshot holds the writable layer; its filesystem stays on disk, unmounted.
         disk::unmount_below(state_dir).await?;
         Ok(())
+    }
+
+    fn snapshot_complete(&self, image_dir: &Path) -> bool {
+        std::fs::metadata(image_dir.join(CHECKPOINT_FILE)).is_ok_and(|m| m.len() > 0)
     }
 
     async fn restore(
@@ -536,6 +525,14 @@ impl Runtime for GvisorRuntime {
         .await?;
         // runsc made the cgroup from the spec again.
         Self::raise_host_memory(id, state_dir)
+    }
+
+    async fn run_build_step(&self, step: BuildStep<'_>) -> Result<(), BuildStepError> {
+        self.build_step(step).await
+    }
+
+    async fn remove_build_leftovers(&self) {
+        self.remove_stale_build_containers().await
     }
 
     fn stop_reason(&self, id: &str) -> Option<String> {
@@ -680,32 +677,19 @@ pub fn runsc_processes_matching(needle: &str) -> Vec<i32> {
 }
 
 /// Waits until no runsc process of the sandbox is left; SIGKILLs stragglers
-/// after a grace period. The waits back off from 5 ms to 100 ms.
+/// after a grace period.
 async fn wait_for_processes_gone(needle: &str) -> Result<(), RuntimeError> {
-    let mut delay = Duration::from_millis(5);
-    let start = std::time::Instant::now();
-    let mut killed = false;
-    loop {
-        let pids = runsc_processes_matching(needle);
-        if pids.is_empty() {
-            return Ok(());
-        }
-        if start.elapsed() > Duration::from_secs(3) && !killed {
-            for pid in &pids {
-                // SAFETY: plain syscall on a pid we just read; a stale pid at worst gets ESRCH.
-                unsafe { libc::kill(*pid, libc::SIGKILL) };
-            }
-            killed = true;
-        }
-        if start.elapsed() > Duration::from_secs(10) {
-            return Err(RuntimeError::Tool {
-                tool: "runsc delete".into(),
-                message: format!("processes {pids:?} of the sandbox did not exit"),
-            });
-        }
-        tokio::time::sleep(delay).await;
-        delay = (delay * 2).min(Duration::from_millis(100));
-    }
+    process::wait_gone(
+        || runsc_processes_matching(needle),
+        Kill::Process,
+        Duration::from_secs(3),
+        Duration::from_secs(10),
+    )
+    .await
+    .map_err(|pids| RuntimeError::Tool {
+        tool: "runsc delete".into(),
+        message: format!("processes {pids:?} of the sandbox did not exit"),
+    })
 }
 
 /// `roots` and every process below them.
@@ -748,12 +732,6 @@ pub fn vm_rss(pid: i32) -> Option<u64> {
     let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kib * 1024)
-}
-
-/// The last `max` bytes of a tool's output as trimmed text.
-fn tail_text(bytes: &[u8], max: usize) -> String {
-    let start = bytes.len().saturating_sub(max);
-    String::from_utf8_lossy(&bytes[start..]).trim().to_string()
 }
 
 #[cfg(test)]

@@ -9,6 +9,7 @@ pub mod import;
 pub mod lend;
 pub mod microvm;
 pub mod net;
+mod process;
 pub mod template;
 pub mod tree;
 

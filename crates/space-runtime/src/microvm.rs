@@ -53,7 +53,6 @@ pub mod qmp;
 use std::ffi::OsString;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
@@ -64,6 +63,7 @@ use tokio::process::Command;
 use qmp::{Qmp, QmpError};
 
 use crate::net;
+use crate::process::{self, tail_text, Backoff, Kill};
 
 /// Files of the guest directory.
 pub const GUEST_KERNEL: &str = "vmlinuz";
@@ -359,38 +359,22 @@ impl MicrovmRuntime {
         for stale in [PID_FILE, QMP_SOCKET, STATUS_SOCKET] {
             let _ = std::fs::remove_file(state_dir.join(stale));
         }
-        let log_path = crate::lend::mount_log(state_dir)?.join(QEMU_LOG);
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&log_path)
-            .map_err(|e| RuntimeError::io("opening qemu.log", e))?;
-        let before = log.metadata().map(|m| m.len()).unwrap_or(0);
-        let log_err = log
-            .try_clone()
-            .map_err(|e| RuntimeError::io("opening qemu.log", e))?;
         // Its own process group: it outlives the server, and no signal to the server's
         // group reaches it. Not -daemonize: that needs fork after seccomp is on.
-        let mut child = Command::new(&self.cfg.qemu)
-            .args(&args)
-            .stdin(Stdio::null())
-            .stdout(log)
-            .stderr(log_err)
-            .process_group(0)
-            .kill_on_drop(false)
-            .spawn()
-            .map_err(|e| RuntimeError::io(format!("running {}", self.cfg.qemu.display()), e))?;
+        let (mut child, log) = process::launch(
+            Command::new(&self.cfg.qemu).args(&args),
+            state_dir,
+            QEMU_LOG,
+        )?;
         let qmp_socket = state_dir.join(QMP_SOCKET);
         let start = Instant::now();
-        let mut delay = Duration::from_millis(2);
+        let mut backoff = Backoff::new(Duration::from_millis(2), Duration::from_millis(50));
         let qmp = loop {
             if let Some(status) = child
                 .try_wait()
                 .map_err(|e| RuntimeError::io("waiting for qemu", e))?
             {
-                let log = std::fs::read(&log_path).unwrap_or_default();
-                let start = usize::try_from(before).unwrap_or(0).min(log.len());
-                let log = tail_text(&log[start..], 1000);
+                let log = log.tail(1000);
                 return Err(RuntimeError::Tool {
                     tool: "qemu".into(),
                     message: if log.is_empty() {
@@ -412,8 +396,7 @@ impl MicrovmRuntime {
                     message: format!("microVM {id}: no QMP socket after {START_TIMEOUT:?}"),
                 });
             }
-            tokio::time::sleep(delay).await;
-            delay = (delay * 2).min(Duration::from_millis(50));
+            backoff.wait().await;
         };
         // Reap it when it exits, while this server runs (init does after a restart).
         tokio::spawn(async move {
@@ -432,7 +415,7 @@ impl MicrovmRuntime {
         timeout: Duration,
     ) -> Result<String, RuntimeError> {
         let start = Instant::now();
-        let mut delay = Duration::from_millis(5);
+        let mut backoff = Backoff::new(Duration::from_millis(5), Duration::from_millis(100));
         loop {
             let status = query_status(qmp).await.map_err(|e| qmp_failed(id, e))?;
             if want.contains(&status.as_str()) {
@@ -453,8 +436,7 @@ impl MicrovmRuntime {
                     message: format!("microVM {id} still {status} after {timeout:?}"),
                 });
             }
-            tokio::time::sleep(delay).await;
-            delay = (delay * 2).min(Duration::from_millis(100));
+            backoff.wait().await;
         }
     }
 
@@ -877,6 +859,11 @@ impl Runtime for MicrovmRuntime {
         self.kill_vm(id, state_dir).await
     }
 
+    fn snapshot_complete(&self, image_dir: &Path) -> bool {
+        // Written under another name and renamed into place when complete.
+        std::fs::metadata(image_dir.join(MEMORY_FILE)).is_ok_and(|m| m.len() > 0)
+    }
+
     async fn restore(
         &self,
         id: &str,
@@ -977,7 +964,7 @@ fn agent_socket_of(state_dir: &Path) -> Result<String, RuntimeError> {
 /// passes (false). A guest whose /init fails powers off, which ends QEMU: an error here.
 async fn wait_agent_open(qmp: &mut Qmp) -> Result<bool, QmpError> {
     let start = Instant::now();
-    let mut delay = Duration::from_millis(5);
+    let mut backoff = Backoff::polling();
     loop {
         if agent_port_open(qmp).await? {
             return Ok(true);
@@ -985,8 +972,7 @@ async fn wait_agent_open(qmp: &mut Qmp) -> Result<bool, QmpError> {
         if start.elapsed() > AGENT_OPEN_TIMEOUT {
             return Ok(false);
         }
-        tokio::time::sleep(delay).await;
-        delay = (delay * 2).min(Duration::from_millis(50));
+        backoff.wait().await;
     }
 }
 
@@ -1069,7 +1055,7 @@ async fn query_status(qmp: &mut Qmp) -> Result<String, QmpError> {
 /// Polls `query-migrate` until the migration (outgoing or incoming) completed.
 async fn wait_migration(qmp: &mut Qmp, what: &str) -> Result<(), QmpError> {
     let start = Instant::now();
-    let mut delay = Duration::from_millis(2);
+    let mut backoff = Backoff::new(Duration::from_millis(2), Duration::from_millis(50));
     loop {
         let ret = qmp.execute("query-migrate", None).await?;
         match ret.get("status").and_then(Value::as_str) {
@@ -1093,8 +1079,7 @@ async fn wait_migration(qmp: &mut Qmp, what: &str) -> Result<(), QmpError> {
         if start.elapsed() > MIGRATE_TIMEOUT {
             return Err(QmpError::Timeout(MIGRATE_TIMEOUT));
         }
-        tokio::time::sleep(delay).await;
-        delay = (delay * 2).min(Duration::from_millis(50));
+        backoff.wait().await;
     }
 }
 
@@ -1140,31 +1125,24 @@ fn is_our_qemu(pid: i32, pid_file: &Path) -> bool {
 /// Waits until QEMU `pid` is gone; SIGKILLs its process group after [`QUIT_GRACE`].
 async fn wait_gone(id: &str, pid: i32, state_dir: &Path) -> Result<(), RuntimeError> {
     let pid_file = state_dir.join(PID_FILE);
-    let start = Instant::now();
-    let mut delay = Duration::from_millis(2);
-    let mut killed = false;
-    while is_our_qemu(pid, &pid_file) {
-        if !killed && start.elapsed() > QUIT_GRACE {
-            // SAFETY: plain syscalls; the pid was checked to be our QEMU just now.
-            unsafe {
-                let pgid = libc::getpgid(pid);
-                if pgid > 1 {
-                    libc::kill(-pgid, libc::SIGKILL);
-                }
-                libc::kill(pid, libc::SIGKILL);
-            }
-            killed = true;
+    let living = || {
+        if is_our_qemu(pid, &pid_file) {
+            vec![pid]
+        } else {
+            vec![]
         }
-        if start.elapsed() > QUIT_GRACE + Duration::from_secs(10) {
-            return Err(RuntimeError::Tool {
-                tool: "qemu".into(),
-                message: format!("QEMU {pid} of microVM {id} did not exit"),
-            });
-        }
-        tokio::time::sleep(delay).await;
-        delay = (delay * 2).min(Duration::from_millis(50));
-    }
-    Ok(())
+    };
+    process::wait_gone(
+        living,
+        Kill::Group,
+        QUIT_GRACE,
+        QUIT_GRACE + Duration::from_secs(10),
+    )
+    .await
+    .map_err(|_| RuntimeError::Tool {
+        tool: "qemu".into(),
+        message: format!("QEMU {pid} of microVM {id} did not exit"),
+    })
 }
 
 /// The host's TSC frequency in kHz ([`crate::guest::host_tsc_khz`]): TCG hands the guest
@@ -1255,12 +1233,6 @@ fn console_tail(state_dir: &Path) -> String {
     text.chars()
         .map(|c| if c.is_control() && c != '\n' { '?' } else { c })
         .collect()
-}
-
-/// The last `max` bytes of a tool's output as trimmed text.
-fn tail_text(bytes: &[u8], max: usize) -> String {
-    let start = bytes.len().saturating_sub(max);
-    String::from_utf8_lossy(&bytes[start..]).trim().to_string()
 }
 
 #[cfg(test)]

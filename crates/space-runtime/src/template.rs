@@ -1128,27 +1128,6 @@ fn find_in_path(path: &OsStr, program: &str) -> Option<PathBuf> {
         })
 }
 
-/// Kills the whole process group of a build tool unless disarmed, so a cancelled build leaves no
-/// apt or dpkg running behind it.
-struct KillGroupOnDrop(Option<libc::pid_t>);
-
-impl KillGroupOnDrop {
-    fn kill_now(&mut self) {
-        if let Some(pgid) = self.0.take() {
-            // SAFETY: plain syscall; the group is the one the child leads (process_group(0)).
-            unsafe {
-                libc::kill(-pgid, libc::SIGKILL);
-            }
-        }
-    }
-}
-
-impl Drop for KillGroupOnDrop {
-    fn drop(&mut self) {
-        self.kill_now();
-    }
-}
-
 /// Runs mmdebstrap into `rootfs`, passing its output to `progress` (rate-limited).
 pub(crate) async fn run_mmdebstrap(
     name: &str,
@@ -1195,7 +1174,7 @@ pub(crate) async fn run_mmdebstrap(
         .process_group(0)
         .kill_on_drop(true);
     let mut child = cmd.spawn().at("run", &mmdebstrap)?;
-    let mut group = KillGroupOnDrop(child.id().and_then(|id| libc::pid_t::try_from(id).ok()));
+    let mut group = crate::process::KillGroupOnDrop::new(&child);
 
     let stdout = child.stdout.take();
     let stderr = child.stderr.take();

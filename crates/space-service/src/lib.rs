@@ -84,9 +84,8 @@ pub struct Config {
     /// What each template build step may use (the build's disk quota also bounds imports
     /// and package downloads).
     pub build_limits: space_runtime::build::BuildLimits,
-    /// runsc and its platform, for template build steps.
-    pub runsc: PathBuf,
-    pub platform: String,
+    /// The runtime that runs template build steps (`gvisor` or `microvm`).
+    pub build_runtime: String,
     /// Largest file upload (raw bytes, or what a tar upload extracts to).
     pub max_upload_bytes: u64,
     /// The server's own token (tenant `default`); `None`: API keys only.
@@ -254,7 +253,7 @@ impl Service {
             costs: Mutex::new(HashMap::new()),
         }));
         svc.reconcile().await?;
-        svc.remove_stale_build_containers().await;
+        svc.remove_build_leftovers().await;
         let templates = svc.0.templates.clone();
         tokio::task::spawn_blocking(move || {
             space_runtime::build::sweep_abandoned_layers(&templates)

@@ -14,14 +14,6 @@ use space_store::SandboxRecord;
 
 use super::{lock, new_operation, Service};
 
-/// A snapshot the runtime finished writing: gVisor's `checkpoint.img`, or the microVM's
-/// memory file (written under another name and renamed into place when complete).
-fn snapshot_complete(dir: &std::path::Path) -> bool {
-    ["checkpoint.img", space_runtime::microvm::MEMORY_FILE]
-        .iter()
-        .any(|f| std::fs::metadata(dir.join(f)).is_ok_and(|m| m.len() > 0))
-}
-
 impl Service {
     pub(crate) async fn reconcile(&self) -> anyhow::Result<()> {
         // What each interrupted operation's sandbox turned out to be decides how it ends.
@@ -100,7 +92,7 @@ impl Service {
                     }
                 }
                 SandboxState::Suspending | SandboxState::Resuming | SandboxState::Suspended
-                    if snapshot_complete(&image) =>
+                    if self.rt(&id).snapshot_complete(&image) =>
                 {
                     // The sandbox is on disk: a finished suspend, or a resume that did not start.
                     let _ = self.rt(&id).stop(&id, &self.sandbox_dir(&id)).await;

@@ -166,6 +166,9 @@ impl Runtime for Unavailable {
     ) -> Result<(), RuntimeError> {
         Err(RuntimeError::Unsupported(self.0.clone()))
     }
+    fn snapshot_complete(&self, _: &std::path::Path) -> bool {
+        false
+    }
     async fn restore(
         &self,
         _: &str,

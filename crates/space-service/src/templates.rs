@@ -139,10 +139,24 @@ impl Service {
             recipe.name(),
             recipe.recipe.base
         ));
+        let runtime = match self.0.runtimes.get(&self.0.cfg.build_runtime) {
+            Ok(rt) => rt.clone(),
+            Err(why) => {
+                let error = ApiError::new(
+                    ErrorCode::BuildFailed,
+                    format!(
+                        "template builds run on the {} runtime: {why}",
+                        self.0.cfg.build_runtime
+                    ),
+                );
+                log.line(&format!("==> build failed: {}", error.message));
+                let _ = self.finish_op(&op_id, Some(error));
+                return;
+            }
+        };
         let builder = Builder {
-            runsc: self.0.cfg.runsc.clone(),
-            runsc_root: self.0.cfg.data_dir.join("build-runsc"),
-            platform: self.0.cfg.platform.clone(),
+            runtime,
+            agent_dir: self.0.cfg.agent_dir.clone(),
             limits: self.0.cfg.build_limits,
         };
         let progress = |line: String| {
@@ -182,29 +196,12 @@ impl Service {
         let _ = self.finish_op(&op_id, Some(error));
     }
 
-    /// Removes build containers that a killed server left running (reconcile has failed their
-    /// operations; their half-built layers are removed by the next build of the same layer).
-    pub(super) async fn remove_stale_build_containers(&self) {
-        let root = self.0.cfg.data_dir.join("build-runsc");
-        if !root.exists() {
-            return;
-        }
-        let runsc = |args: &[&str]| {
-            let mut cmd = tokio::process::Command::new(&self.0.cfg.runsc);
-            cmd.arg("--root").arg(&root).args(args);
-            cmd.stdin(std::process::Stdio::null());
-            cmd
-        };
-        let Ok(out) = runsc(&["list", "--quiet"]).output().await else {
-            return;
-        };
-        for id in String::from_utf8_lossy(&out.stdout).split_whitespace() {
-            tracing::warn!(
-                container = id,
-                "removing a build container left by an earlier run"
-            );
-            let _ = runsc(&["delete", "--force", id]).output().await;
-            build::remove_build_cgroups(id);
+    /// Removes what builds of a killed server left running: build containers and VMs, on
+    /// every runtime (the build runtime may have been another one then). Reconcile has failed
+    /// their operations; their half-built layers are removed by [`build::sweep_abandoned_layers`].
+    pub(super) async fn remove_build_leftovers(&self) {
+        for rt in self.0.runtimes.available() {
+            rt.remove_build_leftovers().await;
         }
     }
 

@@ -63,7 +63,9 @@ fn main() {
         ours.extend(batch);
     }
 
-    let listed = rt.block_on(c.list_sandboxes::<&str, &str>([])).expect("list");
+    let listed = rt
+        .block_on(c.list_sandboxes::<&str, &str>([]))
+        .expect("list");
     let running = listed
         .iter()
         .filter(|s| s.state == space_api::SandboxState::Running)
@@ -72,12 +74,15 @@ fn main() {
 
     eprintln!("bench: GET /v1/sandboxes x{LISTS} and runsc list x{RAW_LISTS}");
     for _ in 0..WARMUPS {
-        rt.block_on(c.list_sandboxes::<&str, &str>([])).expect("list");
+        rt.block_on(c.list_sandboxes::<&str, &str>([]))
+            .expect("list");
     }
     let mut our_times = Vec::new();
     for _ in 0..LISTS {
         let t0 = Instant::now();
-        let list = rt.block_on(c.list_sandboxes::<&str, &str>([])).expect("list");
+        let list = rt
+            .block_on(c.list_sandboxes::<&str, &str>([]))
+            .expect("list");
         our_times.push(t0.elapsed());
         assert_eq!(list.len(), SANDBOXES);
     }

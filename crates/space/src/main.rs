@@ -188,6 +188,10 @@ struct ServeArgs {
     /// build fails.
     #[arg(long, default_value_t = 900)]
     build_step_timeout_seconds: u64,
+    /// Runtime of template build steps: gvisor or microvm (default: gvisor where runsc is
+    /// installed, else microvm).
+    #[arg(long)]
+    build_runtime: Option<String>,
     /// Most vCPUs a sandbox may ask for.
     #[arg(long, default_value_t = 8)]
     max_vcpus: u32,
@@ -370,8 +374,31 @@ fn runtimes(
     Runtimes::new(entries)
 }
 
-/// `guest/` beside the target dir of this executable when it holds a kernel (a build
-/// tree), else DATA_DIR/guest.
+/// The runtime of template build steps: `--build-runtime`, which must be available; by
+/// default gVisor where runsc is installed, else the microVM runtime where it is available.
+fn build_runtime(
+    args: &ServeArgs,
+    runtimes: &service::runtimes::Runtimes,
+) -> anyhow::Result<String> {
+    let name = match &args.build_runtime {
+        Some(name) => name.clone(),
+        None if which(&args.runsc).is_none() && runtimes.get("microvm").is_ok() => {
+            "microvm".to_owned()
+        }
+        None => "gvisor".to_owned(),
+    };
+    if !matches!(name.as_str(), "gvisor" | "microvm") {
+        anyhow::bail!("--build-runtime {name:?}: use gvisor or microvm");
+    }
+    if args.build_runtime.is_some() {
+        if let Err(why) = runtimes.get(&name) {
+            anyhow::bail!("--build-runtime {name}: {why}");
+        }
+    }
+    tracing::info!(runtime = %name, "template build steps run on this runtime");
+    Ok(name)
+}
+
 /// Whether the data dir's database holds a key that is not revoked.
 fn has_api_keys(data_dir: &Path) -> bool {
     let db = data_dir.join("space.db");
@@ -381,6 +408,8 @@ fn has_api_keys(data_dir: &Path) -> bool {
             .is_ok_and(|keys| keys.iter().any(|k| k.revoked_at.is_none()))
 }
 
+/// `guest/` beside the target dir of this executable when it holds a kernel (a build
+/// tree), else DATA_DIR/guest.
 fn default_guest_dir(data_dir: &Path) -> PathBuf {
     std::env::current_exe()
         .ok()
@@ -477,8 +506,11 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let runtime = GvisorRuntime::new(
         args.runsc.clone(),
         args.data_dir.join("runsc"),
+        args.data_dir.join("build-runsc"),
         args.platform.clone(),
     );
+    let runtimes = runtimes(&args, runtime)?;
+    let build_runtime = build_runtime(&args, &runtimes)?;
     let cfg = service::Config {
         data_dir: args.data_dir.clone(),
         templates_dir: args
@@ -515,8 +547,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             disk_mib: args.build_disk_mib.max(16),
             step_timeout: std::time::Duration::from_secs(args.build_step_timeout_seconds.max(1)),
         },
-        runsc: args.runsc.clone(),
-        platform: args.platform.clone(),
+        build_runtime,
         max_upload_bytes: args.max_upload_mib.saturating_mul(1 << 20),
         server_token: token,
         limits: service::Limits {
@@ -529,7 +560,6 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             max_uploads: args.tenant_max_uploads,
         },
     };
-    let runtimes = runtimes(&args, runtime)?;
     let service = service::Service::start(cfg, runtimes)
         .await
         .context("starting the service")?;

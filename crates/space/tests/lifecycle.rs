@@ -422,8 +422,11 @@ async fn crash_during(failpoint: &str, prepare: &str, start: &str) {
         s.req(reqwest::Method::POST, "/v1/sandboxes")
             .json(&json!({"template": "busybox"}))
     } else {
-        s.req(reqwest::Method::POST, &format!("/v1/sandboxes/{sb}/{start}"))
-            .json(&json!({}))
+        s.req(
+            reqwest::Method::POST,
+            &format!("/v1/sandboxes/{sb}/{start}"),
+        )
+        .json(&json!({}))
     };
     // The crash may come before the answer is out: then the operation is found after
     // the restart, in the list.

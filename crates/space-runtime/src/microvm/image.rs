@@ -13,6 +13,8 @@ use sha2::{Digest, Sha256};
 use space_core::runtime::RuntimeError;
 use tokio::process::Command;
 
+use crate::process::run_tool;
+
 /// Room added to a template's size for the image: filesystem metadata and the journal.
 const IMAGE_SLACK_MIB: u64 = 64;
 /// Bytes per inode in a fresh image (mke2fs's default for ordinary filesystems).
@@ -38,35 +40,32 @@ pub async fn rootfs_image(images_dir: &Path, rootfs: &Path) -> Result<PathBuf, R
     // keeps the per-group ratio when it grows the filesystem.
     let inodes = ((mib << 20) / BYTES_PER_INODE).max(inodes + inodes / 3 + 2048);
     let tmp = temp_path(&image);
-    let out = Command::new("mkfs.ext4")
-        .args([
-            "-q",
-            "-F",
-            "-L",
-            "space-root",
-            "-b",
-            "4096",
-            "-I",
-            "256",
-            "-m",
-            "0",
-        ])
-        .arg("-N")
-        .arg(inodes.to_string())
-        .arg("-d")
-        .arg(rootfs)
-        .arg(&tmp)
-        .arg(format!("{mib}M"))
-        .stdin(std::process::Stdio::null())
-        .output()
-        .await
-        .map_err(|e| RuntimeError::io("running mkfs.ext4", e))?;
-    if !out.status.success() {
+    let made = run_tool(
+        "mkfs.ext4",
+        Command::new("mkfs.ext4")
+            .args([
+                "-q",
+                "-F",
+                "-L",
+                "space-root",
+                "-b",
+                "4096",
+                "-I",
+                "256",
+                "-m",
+                "0",
+            ])
+            .arg("-N")
+            .arg(inodes.to_string())
+            .arg("-d")
+            .arg(rootfs)
+            .arg(&tmp)
+            .arg(format!("{mib}M")),
+    )
+    .await;
+    if let Err(e) = made {
         let _ = std::fs::remove_file(&tmp);
-        return Err(RuntimeError::Tool {
-            tool: "mkfs.ext4".into(),
-            message: super::tail_text(&out.stderr, 1000),
-        });
+        return Err(e);
     }
     finish(&tmp, &image)?;
     tracing::info!(image = %image.display(), rootfs = %rootfs.display(), mib, "made a template disk image");
@@ -81,21 +80,18 @@ pub async fn overlay(
     size_mib: u64,
 ) -> Result<(), RuntimeError> {
     let tmp = temp_path(overlay);
-    let out = Command::new(qemu_img)
-        .args(["create", "-q", "-f", "qcow2", "-F", "raw", "-b"])
-        .arg(image)
-        .arg(&tmp)
-        .arg(format!("{size_mib}M"))
-        .stdin(std::process::Stdio::null())
-        .output()
-        .await
-        .map_err(|e| RuntimeError::io(format!("running {}", qemu_img.display()), e))?;
-    if !out.status.success() {
+    let made = run_tool(
+        "qemu-img create",
+        Command::new(qemu_img)
+            .args(["create", "-q", "-f", "qcow2", "-F", "raw", "-b"])
+            .arg(image)
+            .arg(&tmp)
+            .arg(format!("{size_mib}M")),
+    )
+    .await;
+    if let Err(e) = made {
         let _ = std::fs::remove_file(&tmp);
-        return Err(RuntimeError::Tool {
-            tool: "qemu-img create".into(),
-            message: super::tail_text(&out.stderr, 1000),
-        });
+        return Err(e);
     }
     std::fs::rename(&tmp, overlay)
         .map_err(|e| RuntimeError::io(format!("renaming {}", tmp.display()), e))
