@@ -5,10 +5,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 scripts/setup.sh
-PROFILE=debug scripts/build.sh
+PROFILE=debug FEATURES=test-hooks scripts/build.sh
 
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
+cargo clippy --workspace --all-targets --features space/test-hooks,space-agent/test-hooks -- -D warnings
 
 # Integration tests share one template cache; build it once up front.
 export SPACE_TEST_TEMPLATES="$PWD/target/space-test-templates"
@@ -18,11 +19,13 @@ target/debug/space admin prepare-template debian --templates-dir "$SPACE_TEST_TE
 # The conformance suite must run on both runtimes here: a runtime that is
 # unavailable fails the run instead of being skipped.
 export SPACE_TEST_REQUIRE_RUNTIMES=gvisor,microvm
-cargo test --workspace --no-fail-fast -- --test-threads 4
+# A production build reads no failpoint (the same test, without the feature).
+cargo test -p space-service --lib test_hooks
+cargo test --workspace --features space/test-hooks --no-fail-fast -- --test-threads 4
 
 # Whole suites again with every sandbox on the microVM runtime (see docs/RUNTIMES.md for
 # the suites not repeated here, and why).
-SPACE_TEST_RUNTIME=microvm cargo test -p space --test files --test disk --test restart --test cli \
+SPACE_TEST_RUNTIME=microvm cargo test -p space --features test-hooks --test files --test disk --test restart --test cli \
   --no-fail-fast -- --test-threads 3
 
 # The API against its own OpenAPI document: schemathesis, no 5xx (see scripts/schemathesis.sh).

@@ -1,4 +1,5 @@
-//! Test hooks of the agent, off unless the agent's own environment has
+//! Test hooks of the agent: compiled in only with the `test-hooks` feature (the test
+//! suite's build), and even then off unless the agent's own environment has
 //! `SPACE_FAILPOINT` (a server started with `SPACE_FAILPOINT=agent:…` passes it on;
 //! nothing a sandbox runs can set it).
 //!
@@ -8,8 +9,14 @@
 
 use std::time::{Duration, Instant};
 
+#[cfg(feature = "test-hooks")]
 fn active(name: &str) -> bool {
     std::env::var("SPACE_FAILPOINT").is_ok_and(|v| v == name)
+}
+
+#[cfg(not(feature = "test-hooks"))]
+fn active(_name: &str) -> bool {
+    false
 }
 
 /// Whether `argv` asks for the wedge and the failpoint is on; if so, wedges (and, for

@@ -886,10 +886,25 @@ impl Service {
     }
 }
 
+/// Whether the test hooks (failpoints, extra egress names) are compiled in: only with
+/// the `test-hooks` feature, which the test suite's build turns on and a production
+/// build leaves off.
+pub const TEST_HOOKS: bool = cfg!(feature = "test-hooks");
+
+/// The failpoint the environment names (`SPACE_FAILPOINT`); never one without the
+/// `test-hooks` feature.
+fn failpoint_named() -> Option<String> {
+    if TEST_HOOKS {
+        std::env::var("SPACE_FAILPOINT").ok()
+    } else {
+        None
+    }
+}
+
 /// Test hook: with `SPACE_FAILPOINT=<name>` the server kills itself (SIGKILL)
 /// at that point, so tests can crash it in the middle of an operation.
 pub(crate) fn failpoint(name: &str) {
-    if std::env::var("SPACE_FAILPOINT").is_ok_and(|v| v == name) {
+    if failpoint_named().is_some_and(|v| v == name) {
         tracing::warn!(failpoint = name, "failpoint reached: killing the server");
         // SAFETY: plain syscalls on our own pid.
         unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
@@ -899,8 +914,7 @@ pub(crate) fn failpoint(name: &str) {
 /// Test hook: a `SPACE_FAILPOINT=agent:<name>` of the server is the agent's (see
 /// `space_agent`'s `failpoint` module), passed to every sandbox it creates.
 fn agent_failpoint() -> Option<(String, String)> {
-    std::env::var("SPACE_FAILPOINT")
-        .ok()
+    failpoint_named()
         .filter(|v| {
             v.starts_with("agent:")
                 && v.len() <= 64
@@ -912,13 +926,13 @@ fn agent_failpoint() -> Option<(String, String)> {
 
 /// Test hook: whether `SPACE_FAILPOINT=<name>` is set (for failpoints that change a path).
 pub(crate) fn failpoint_active(name: &str) -> bool {
-    std::env::var("SPACE_FAILPOINT").is_ok_and(|v| v == name)
+    failpoint_named().is_some_and(|v| v == name)
 }
 
 /// Test hook: with `SPACE_FAILPOINT=<name>` the operation hangs here forever,
 /// so tests can see a stuck operation reach its deadline.
 pub(crate) async fn failpoint_hang(name: &str) {
-    if std::env::var("SPACE_FAILPOINT").is_ok_and(|v| v == name) {
+    if failpoint_named().is_some_and(|v| v == name) {
         tracing::warn!(failpoint = name, "failpoint reached: hanging");
         std::future::pending::<()>().await;
     }
@@ -1056,5 +1070,20 @@ impl From<AgentError> for ServiceError {
 impl From<RuntimeError> for ServiceError {
     fn from(e: RuntimeError) -> Self {
         ServiceError::Internal(error_chain(&e))
+    }
+}
+
+#[cfg(test)]
+mod test_hooks {
+    use super::*;
+
+    /// `scripts/test.sh` runs this without the feature (a production build) and with it.
+    #[test]
+    fn failpoints_are_read_only_with_the_test_hooks_feature() {
+        std::env::set_var("SPACE_FAILPOINT", "agent:wedge");
+        assert_eq!(failpoint_named().is_some(), TEST_HOOKS);
+        assert_eq!(failpoint_active("agent:wedge"), TEST_HOOKS);
+        assert_eq!(agent_failpoint().is_some(), TEST_HOOKS);
+        std::env::remove_var("SPACE_FAILPOINT");
     }
 }

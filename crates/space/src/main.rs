@@ -454,6 +454,9 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     // Every sandbox, agent connection, stream and client holds descriptors.
     let (soft, hard) = doctor::raise_nofile();
     tracing::info!(soft, hard, "open file limit (RLIMIT_NOFILE)");
+    if space_service::TEST_HOOKS {
+        tracing::warn!("this build has the test hooks in (the `test-hooks` feature): failpoints and SPACE_EGRESS_HOSTS_FILE are read; do not use it in production");
+    }
     let token: Option<String> = if args.dev {
         if !args.listen.ip().is_loopback() {
             bail!(
