@@ -238,16 +238,22 @@ impl Service {
     /// Ends an operation's steps: moves the sandbox along `event` and marks the operation
     /// succeeded in one write, so nobody sees the new state beside a running operation
     /// (or the reverse). What the new state costs is sampled first.
+    ///
+    /// The operation also stops counting as the sandbox's unfinished one in that moment:
+    /// a client that saw it succeed may ask for the next at once (it waits for this
+    /// task's last steps behind the lifecycle lock, as `pending`).
     async fn complete(
         &self,
-        id: &str,
+        handle: &SandboxHandle,
         op_id: &str,
         event: SandboxEvent,
         f: impl Fn(&mut space_store::SandboxRecord),
     ) -> Result<(), ApiError> {
+        let id = &handle.id;
         let now = self.record(id).map_err(internal)?.sandbox.state;
         let to = transition(now, event).map_err(conflict)?;
         self.sample_cost_as(id, to).await;
+        let mut unfinished = lock(&handle.ops);
         self.modify_sandbox_and_op(id, op_id, |rec, op| {
             rec.sandbox.state = transition(rec.sandbox.state, event).map_err(conflict)?;
             rec.sandbox.updated_at = now_rfc3339();
@@ -256,8 +262,9 @@ impl Service {
             op.progress = Some("done".into());
             op.updated_at = now_rfc3339();
             Ok::<_, ApiError>(())
-        })
-        .map(drop)
+        })?;
+        unfinished.retain(|(o, _)| o != op_id);
+        Ok(())
     }
 
     async fn destroy_steps(
@@ -290,7 +297,7 @@ impl Service {
             return Err(e);
         }
         let _ = std::fs::remove_dir_all(self.snapshot_dir(id));
-        self.complete(id, op_id, SandboxEvent::Destroyed, |r| {
+        self.complete(handle, op_id, SandboxEvent::Destroyed, |r| {
             r.sandbox.destroyed_at = Some(now_rfc3339());
             r.snapshot_dir = None;
         })
@@ -311,7 +318,7 @@ impl Service {
         let paused = self.rt(id).pause(id).await;
         failpoint("pause:after_runtime");
         match paused {
-            Ok(()) => self.complete(id, op_id, SandboxEvent::Paused, |_| {}).await,
+            Ok(()) => self.complete(handle, op_id, SandboxEvent::Paused, |_| {}).await,
             Err(e) => {
                 let e = runtime_failed(&e);
                 self.settle_after_failure(handle, SandboxEvent::PauseAborted, &e)
@@ -327,7 +334,7 @@ impl Service {
         if from == SandboxState::Paused {
             return match self.rt(id).resume(id).await {
                 Ok(()) => {
-                    self.complete(id, op_id, SandboxEvent::Resumed, |_| {})
+                    self.complete(handle, op_id, SandboxEvent::Resumed, |_| {})
                         .await
                 }
                 Err(e) => {
@@ -418,7 +425,7 @@ impl Service {
             self.advance(id, SandboxEvent::ResumeAbortedToSuspended, |_| {})?;
             return Err(e);
         }
-        self.complete(id, op_id, SandboxEvent::Resumed, |r| {
+        self.complete(handle, op_id, SandboxEvent::Resumed, |r| {
             r.snapshot_dir = None;
             r.sandbox.cost.snapshot_bytes = None;
         })
@@ -524,7 +531,7 @@ impl Service {
         }
         failpoint("suspend:after_checkpoint");
         let bytes = space_runtime::dir_size(&image);
-        self.complete(id, op_id, SandboxEvent::Suspended, |r| {
+        self.complete(handle, op_id, SandboxEvent::Suspended, |r| {
             r.snapshot_dir = Some(image.to_string_lossy().into_owned());
             r.sandbox.cost.snapshot_bytes = Some(bytes);
             r.sandbox.cost.memory_bytes = None;
