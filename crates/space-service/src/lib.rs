@@ -24,6 +24,10 @@ mod scope;
 mod snapshot;
 mod templates;
 pub mod tenancy;
+#[cfg(test)]
+mod testing;
+#[cfg(test)]
+mod tests;
 
 use space_api::ErrorCode;
 use std::collections::{BTreeMap, HashMap};
