@@ -336,7 +336,7 @@ impl Service {
         output::command_dir(&self.outputs_root(), sandbox_id, id)
     }
 
-    fn register_command(
+    pub(crate) fn register_command(
         &self,
         sandbox_id: &str,
         id: &str,

@@ -24,6 +24,10 @@ mod scope;
 mod snapshot;
 mod templates;
 pub mod tenancy;
+#[cfg(test)]
+mod testing;
+#[cfg(test)]
+mod tests;
 
 use space_api::ErrorCode;
 use std::collections::{BTreeMap, HashMap};
@@ -226,14 +230,25 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl Service {
-    /// Opens the store and reconciles it with what really runs.
+    /// Opens the store (`DATA_DIR/space.db`) and reconciles it with what really runs.
     pub async fn start(cfg: Config, runtimes: runtimes::Runtimes) -> anyhow::Result<Service> {
         // Secrets, agent tokens and tenants' files live here: no other host user may enter.
+        space_runtime::tree::private_dir(&cfg.data_dir)?;
+        let store: Arc<dyn Store> = Arc::new(SqliteStore::open(&cfg.data_dir.join("space.db"))?);
+        Self::start_with_store(cfg, store, runtimes).await
+    }
+
+    /// [`Self::start`] on a store the caller opened (another database, or an in-memory
+    /// one in tests): reconciles it with what really runs before anything is served.
+    pub async fn start_with_store(
+        cfg: Config,
+        store: Arc<dyn Store>,
+        runtimes: runtimes::Runtimes,
+    ) -> anyhow::Result<Service> {
         space_runtime::tree::private_dir(&cfg.data_dir)?;
         std::fs::create_dir_all(cfg.data_dir.join("sandboxes"))?;
         std::fs::create_dir_all(cfg.data_dir.join("outputs"))?;
         std::fs::create_dir_all(cfg.data_dir.join("snapshots"))?;
-        let store: Arc<dyn Store> = Arc::new(SqliteStore::open(&cfg.data_dir.join("space.db"))?);
         let templates = TemplateStore::new(cfg.templates_dir.clone())?;
         let slots = cfg.max_concurrent_creates.max(1);
         let tenancy = tenancy::Tenancy::new(cfg.server_token.clone(), cfg.limits.clone());

@@ -338,7 +338,9 @@ impl Service {
         });
     }
 
-    fn reap_once(&self) {
+    /// One pass of the policies: TTLs, idle timeouts, retention of destroyed and failed
+    /// records, old events. The reaper runs it every [`TICK`]; unit tests call it directly.
+    pub(crate) fn reap_once(&self) {
         let Ok(records) = self.0.store.list_sandboxes() else {
             return;
         };
