@@ -39,8 +39,6 @@ pub const AGENT_DIR_IN_SANDBOX: &str = "/.space/bin";
 /// Where the per-sandbox run directory is mounted inside the sandbox.
 pub const RUN_DIR_IN_SANDBOX: &str = "/.space/run";
 /// cgroup parent of every sandbox.
-/// How long a quiesced agent gets to go back to sleep before its sandbox is checkpointed.
-const CHECKPOINT_SETTLE: std::time::Duration = std::time::Duration::from_millis(250);
 const CGROUP_PARENT: &str = "space";
 /// What `runsc checkpoint` writes last into its image directory (memory, processes and the
 /// writable layer).
@@ -449,19 +447,25 @@ impl Runtime for GvisorRuntime {
             .await
             .map_err(|e| RuntimeError::io(format!("creating {}", image_dir.display()), e))?;
         let image = image_dir.to_string_lossy().into_owned();
-        // The agent has just let go of its connection and is still tearing it down. runsc
-        // (systrap, 20240729) was seen to save a thread that was running the agent's code at
-        // that moment with registers it cannot have had: every restore of that image
-        // crashed the agent (SIGSEGV in tokio's timer wheel, a pointer holding code bytes).
-        // A thread asleep in a syscall is saved by the Sentry itself and comes back right,
-        // so the agent gets a moment to finish and sleep. Nothing outside the sandbox can
-        // see that it has, hence a fixed wait.
-        tokio::time::sleep(CHECKPOINT_SETTLE).await;
-        self.run_net(
-            &["checkpoint", "--image-path", &image, id],
-            is_networked(state_dir),
-        )
-        .await?;
+        // Paused first: runsc (systrap, 20240729) was seen to save a thread that was
+        // running application code at the checkpoint with registers it cannot have had
+        // (the agent: a SIGSEGV in tokio's timer wheel at once after every restore of
+        // that image, a pointer holding code bytes). A pause stops every task and takes
+        // its state into the Sentry first, as a pause and resume always do right.
+        self.run(&["pause", id]).await?;
+        let saved = self
+            .run_net(
+                &["checkpoint", "--image-path", &image, id],
+                is_networked(state_dir),
+            )
+            .await;
+        if let Err(e) = saved {
+            // Running again, as the caller found it (when it still runs at all).
+            if self.status(id).await.ok() == Some(RuntimeStatus::Paused) {
+                let _ = self.run(&["resume", id]).await;
+            }
+            return Err(e);
+        }
         // The sandbox stops by itself once its state is saved (a forced delete
         // would only race it); then release what is left of it.
         let mut backoff = Backoff::polling();

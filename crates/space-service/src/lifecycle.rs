@@ -318,7 +318,10 @@ impl Service {
         let paused = self.rt(id).pause(id).await;
         failpoint("pause:after_runtime");
         match paused {
-            Ok(()) => self.complete(handle, op_id, SandboxEvent::Paused, |_| {}).await,
+            Ok(()) => {
+                self.complete(handle, op_id, SandboxEvent::Paused, |_| {})
+                    .await
+            }
             Err(e) => {
                 let e = runtime_failed(&e);
                 self.settle_after_failure(handle, SandboxEvent::PauseAborted, &e)

@@ -807,7 +807,13 @@ async fn a_tenant_cannot_hold_more_than_its_share_open() {
     assert!(ok, "a closed stream never gave its slot back");
     drop(held);
 
-    // One build at a time.
+    // One build at a time. The names are this run's own: templates live in the test
+    // cache that every test server shares.
+    let (greedy_a, greedy_b, other_a) = (
+        format!("greedy-a-{}", std::process::id()),
+        format!("greedy-b-{}", std::process::id()),
+        format!("other-a-{}", std::process::id()),
+    );
     let recipe =
         |name: &str| json!({"name": name, "base": "busybox", "steps": [{"run": "sleep 15"}]});
     let (st, b1) = call(
@@ -815,7 +821,7 @@ async fn a_tenant_cannot_hold_more_than_its_share_open() {
         &greedy,
         Method::POST,
         "/v1/templates",
-        Some(Body::Json(recipe("greedy-a"))),
+        Some(Body::Json(recipe(&greedy_a))),
     )
     .await;
     assert_eq!(st, 202, "{b1}");
@@ -824,7 +830,7 @@ async fn a_tenant_cannot_hold_more_than_its_share_open() {
         &greedy,
         Method::POST,
         "/v1/templates",
-        Some(Body::Json(recipe("greedy-b"))),
+        Some(Body::Json(recipe(&greedy_b))),
     )
     .await;
     assert_eq!(st, 429, "{v}");
@@ -833,13 +839,13 @@ async fn a_tenant_cannot_hold_more_than_its_share_open() {
         &other,
         Method::POST,
         "/v1/templates",
-        Some(Body::Json(recipe("other-a"))),
+        Some(Body::Json(recipe(&other_a))),
     )
     .await;
     assert_eq!(st, 202, "{b3}");
     // The refused build claimed nothing: the name is still free.
     let (_, tpls) = call(&s, &greedy, Method::GET, "/v1/templates", None).await;
-    assert!(!tpls.to_string().contains("greedy-b"));
+    assert!(!tpls.to_string().contains(&greedy_b));
 
     // One large body at a time: an upload whose body trickles holds the slot.
     let sb = sandbox_as(&s, &greedy, json!({"template": "busybox"})).await;
@@ -903,7 +909,7 @@ async fn a_tenant_cannot_hold_more_than_its_share_open() {
         wait_op(&s, key, b["id"].as_str().unwrap()).await;
     }
     destroy_as(&s, &greedy, &sb).await;
-    for (key, name) in [(&greedy, "greedy-a"), (&other, "other-a")] {
+    for (key, name) in [(&greedy, &greedy_a), (&other, &other_a)] {
         call(
             &s,
             key,
