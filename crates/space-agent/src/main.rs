@@ -54,7 +54,7 @@ const BACKOFF_MIN: Duration = Duration::from_millis(10);
 const BACKOFF_MAX: Duration = Duration::from_millis(100);
 /// Longest a quiesced agent waits to be woken before it dials again anyway (a server that
 /// died between the quiesce and the checkpoint never wakes it).
-const HOLD_MAX: Duration = Duration::from_secs(30);
+const HOLD_MAX: Duration = Duration::from_secs(120);
 /// Wait after the host refused the handshake.
 const REFUSED_RETRY: Duration = Duration::from_secs(1);
 /// A host that accepts but never answers the handshake is dropped after this.

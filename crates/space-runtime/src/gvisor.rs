@@ -447,25 +447,11 @@ impl Runtime for GvisorRuntime {
             .await
             .map_err(|e| RuntimeError::io(format!("creating {}", image_dir.display()), e))?;
         let image = image_dir.to_string_lossy().into_owned();
-        // Paused first: runsc (systrap, 20240729) was seen to save a thread that was
-        // running application code at the checkpoint with registers it cannot have had
-        // (the agent: a SIGSEGV in tokio's timer wheel at once after every restore of
-        // that image, a pointer holding code bytes). A pause stops every task and takes
-        // its state into the Sentry first, as a pause and resume always do right.
-        self.run(&["pause", id]).await?;
-        let saved = self
-            .run_net(
-                &["checkpoint", "--image-path", &image, id],
-                is_networked(state_dir),
-            )
-            .await;
-        if let Err(e) = saved {
-            // Running again, as the caller found it (when it still runs at all).
-            if self.status(id).await.ok() == Some(RuntimeStatus::Paused) {
-                let _ = self.run(&["resume", id]).await;
-            }
-            return Err(e);
-        }
+        self.run_net(
+            &["checkpoint", "--image-path", &image, id],
+            is_networked(state_dir),
+        )
+        .await?;
         // The sandbox stops by itself once its state is saved (a forced delete
         // would only race it); then release what is left of it.
         let mut backoff = Backoff::polling();

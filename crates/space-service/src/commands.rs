@@ -971,8 +971,8 @@ fn append_checked(
             "the agent sent {stream:?} at offset {offset}, expected {expected}"
         ));
     }
-    writer
-        .append(stream, data)
+    // File writes (and the index's fsync-free appends) off the async worker threads.
+    space_store::offload(|| writer.append(stream, data))
         .map_err(|e| format!("storing the output failed: {e}"))
 }
 

@@ -641,6 +641,17 @@ impl Service {
         handle: &Arc<SandboxHandle>,
         rec: &SandboxRecord,
     ) -> std::io::Result<()> {
+        // One socket for the sandbox's whole life in this server: a restored gVisor
+        // sandbox may still know the socket file it dialled before its checkpoint, so a
+        // listener bound anew (another inode at the same path) is one it may never reach.
+        // The quiesce hold, not a closed listener, keeps the agent from dialling while
+        // it is checkpointed.
+        if lock(&handle.listener)
+            .as_ref()
+            .is_some_and(|(task, _)| !task.is_finished())
+        {
+            return Ok(());
+        }
         let socket = self.sandbox_dir(&handle.id).join("run").join("agent.sock");
         if socket.as_os_str().len() >= 108 {
             return Err(std::io::Error::new(

@@ -28,8 +28,8 @@ const RESTORE_ATTEMPTS: u32 = 2;
 /// How often a wake is tried when the sandbox does not take it, and how far apart.
 const WAKE_ATTEMPTS: u32 = 5;
 const WAKE_RETRY_AFTER: Duration = Duration::from_millis(300);
-/// How long a restored agent gets before the server listens on a fresh socket for it.
-const RESTORE_RELISTEN_EVERY: Duration = Duration::from_secs(5);
+/// How long a restored agent gets before it is woken again.
+const RESTORE_REWAKE_EVERY: Duration = Duration::from_secs(5);
 
 /// Longest an operation of each kind may run before it is failed.
 pub(crate) fn deadline(kind: OperationKind) -> Duration {
@@ -296,7 +296,7 @@ impl Service {
             })?;
             return Err(e);
         }
-        let _ = std::fs::remove_dir_all(self.snapshot_dir(id));
+        let _ = space_store::offload(|| std::fs::remove_dir_all(self.snapshot_dir(id)));
         self.complete(handle, op_id, SandboxEvent::Destroyed, |r| {
             r.sandbox.destroyed_at = Some(now_rfc3339());
             r.snapshot_dir = None;
@@ -396,23 +396,19 @@ impl Service {
                 tracing::warn!(sandbox = %id, "failpoint: taking the first restore's agent as never dialling in");
                 continue;
             }
-            // A fresh socket (bound anew, renamed over the old path) every few seconds,
-            // in case the agent's dials stop reaching the listener.
+            // The wake again every few seconds, in case one was lost.
             let mut rx = handle.agent.subscribe();
             let deadline = tokio::time::Instant::now() + RESTORE_CONNECT_TIMEOUT;
             while tokio::time::Instant::now() < deadline {
                 let left = deadline - tokio::time::Instant::now();
-                if agent::wait_connected(&mut rx, left.min(RESTORE_RELISTEN_EVERY))
+                if agent::wait_connected(&mut rx, left.min(RESTORE_REWAKE_EVERY))
                     .await
                     .is_ok()
                 {
                     connected = Ok(());
                     break;
                 }
-                tracing::warn!(sandbox = %id, "the restored agent has not dialled in yet; listening on a fresh socket");
-                if let Err(e) = self.start_listener(handle, &rec) {
-                    tracing::warn!(sandbox = %id, error = %e, "cannot listen again");
-                }
+                tracing::warn!(sandbox = %id, "the restored agent has not dialled in yet; waking it again");
                 // A wake that was lost (or sent before the sandbox could take it) would
                 // keep the agent holding for its whole hold time: send it again.
                 self.wake_agent(id).await;
@@ -422,8 +418,9 @@ impl Service {
             }
         }
         if let Err(e) = connected {
-            // The snapshot is untouched: go back to `suspended` so the resume can be retried.
-            handle.stop_listener();
+            // The snapshot is untouched: go back to `suspended` so the resume can be retried
+            // (on the same socket).
+            handle.drop_connection();
             let _ = self.rt(id).stop(id, &self.sandbox_dir(id)).await;
             self.advance(id, SandboxEvent::ResumeAbortedToSuspended, |_| {})?;
             return Err(e);
@@ -434,7 +431,7 @@ impl Service {
         })
         .await?;
         // The snapshot has served its purpose; the live sandbox is the truth now.
-        let _ = std::fs::remove_dir_all(&image);
+        let _ = space_store::offload(|| std::fs::remove_dir_all(&image));
         self.spawn_monitor(handle);
         self.touch(id);
         Ok(())
@@ -484,7 +481,6 @@ impl Service {
                 return Err(e);
             }
         };
-        handle.stop_listener_keep_connection();
         let _ = tokio::time::timeout(
             Duration::from_secs(2),
             conn.json::<serde_json::Value>(http::Method::POST, "/v1/quiesce", None::<&()>),
@@ -513,7 +509,7 @@ impl Service {
         .map_err(internal)?;
         failpoint("suspend:before_checkpoint");
         let image = self.snapshot_dir(id);
-        let _ = std::fs::remove_dir_all(&image);
+        let _ = space_store::offload(|| std::fs::remove_dir_all(&image));
         if let Err(e) = self
             .rt(id)
             .checkpoint(id, &self.sandbox_dir(id), &image)
@@ -533,7 +529,7 @@ impl Service {
             return Err(e);
         }
         failpoint("suspend:after_checkpoint");
-        let bytes = space_runtime::dir_size(&image);
+        let bytes = space_store::offload(|| space_runtime::dir_size(&image));
         self.complete(handle, op_id, SandboxEvent::Suspended, |r| {
             r.snapshot_dir = Some(image.to_string_lossy().into_owned());
             r.sandbox.cost.snapshot_bytes = Some(bytes);
