@@ -51,6 +51,76 @@ pub struct Agent {
     pub held_at: std::sync::Mutex<Option<u64>>,
     /// Counts the host's wake-ups (SIGUSR1).
     pub woken: tokio::sync::watch::Sender<u64>,
+    /// On from a quiesce until the agent is woken (or its hold ends).
+    pub quiet: Quiet,
+}
+
+/// Whether the agent is quiesced. Meanwhile its own periodic work (the memory watch,
+/// the polls of commands without a cgroup) stops, so that no thread of the agent is
+/// running when the sandbox is checkpointed: runsc (systrap, 2024-07-29) was seen to
+/// save a thread caught running with registers it cannot have had, and every restore of
+/// that image then crashed the agent. A thread asleep in a syscall is saved right.
+#[derive(Debug, Default)]
+pub struct Quiet {
+    on: std::sync::Mutex<bool>,
+    cv: std::sync::Condvar,
+    off: tokio::sync::Notify,
+    entered: tokio::sync::Notify,
+}
+
+impl Quiet {
+    pub fn set(&self, on: bool) {
+        *self.on.lock().unwrap_or_else(|e| e.into_inner()) = on;
+        self.cv.notify_all();
+        if on {
+            self.entered.notify_waiters();
+        } else {
+            self.off.notify_waiters();
+        }
+    }
+
+    /// Sleeps for `pause` on the calling thread, or less when the agent is quiesced
+    /// meanwhile.
+    pub fn sleep_blocking(&self, pause: Duration) {
+        let on = self.on.lock().unwrap_or_else(|e| e.into_inner());
+        drop(
+            self.cv
+                .wait_timeout_while(on, pause, |on| !*on)
+                .unwrap_or_else(|e| e.into_inner()),
+        );
+    }
+
+    /// Waits until the agent is quiesced.
+    pub async fn entered(&self) {
+        self.entered.notified().await;
+    }
+
+    fn is_on(&self) -> bool {
+        *self.on.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Blocks the calling thread while the agent is quiesced.
+    pub fn wait_off_blocking(&self) {
+        let on = self.on.lock().unwrap_or_else(|e| e.into_inner());
+        drop(
+            self.cv
+                .wait_while(on, |on| *on)
+                .unwrap_or_else(|e| e.into_inner()),
+        );
+    }
+
+    /// Waits while the agent is quiesced (no timer runs meanwhile).
+    pub async fn off(&self) {
+        loop {
+            let woken = self.off.notified();
+            tokio::pin!(woken);
+            woken.as_mut().enable();
+            if !self.is_on() {
+                return;
+            }
+            woken.await;
+        }
+    }
 }
 
 impl Agent {
@@ -183,6 +253,7 @@ pub async fn handle(agent: Arc<Agent>, req: Request<Incoming>) -> Response<Body>
             // The connection is dropped right away; the host waits for that, not for this answer.
             let woken = *agent.woken.borrow();
             *agent.held_at.lock().unwrap_or_else(|e| e.into_inner()) = Some(woken);
+            agent.quiet.set(true);
             agent.quiesce.notify_one();
             empty(StatusCode::NO_CONTENT)
         }
@@ -394,7 +465,12 @@ async fn changed(agent: &Agent, cmd: &Cmd) {
         None => {
             tokio::select! {
                 _ = agent.reaper.orphan_reaped.notified() => {}
-                _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                // A quiesce ends the pending sleep: the next wait has no timer.
+                _ = agent.quiet.entered() => {}
+                _ = async {
+                    agent.quiet.off().await;
+                    tokio::time::sleep(Duration::from_secs(1)).await
+                } => {}
             }
         }
     }

@@ -78,6 +78,7 @@ pub fn start(agent: Arc<Agent>) {
 fn watch(agent: &Agent, total: u64) {
     let floor = total / 100;
     loop {
+        agent.quiet.wait_off_blocking();
         let free = memory().map_or(total, |(_, f)| f);
         if free <= floor {
             if let Some(victim) = biggest() {
@@ -98,7 +99,9 @@ fn watch(agent: &Agent, total: u64) {
             u64::try_from(u128::from(room) * 1_000_000_000 / u128::from(FASTEST_GROWTH))
                 .unwrap_or(u64::MAX),
         );
-        std::thread::sleep(pause.clamp(MIN_PAUSE, MAX_PAUSE));
+        agent
+            .quiet
+            .sleep_blocking(pause.clamp(MIN_PAUSE, MAX_PAUSE));
     }
 }
 

@@ -38,6 +38,8 @@ use crate::{disk, net};
 pub const AGENT_DIR_IN_SANDBOX: &str = "/.space/bin";
 /// Where the per-sandbox run directory is mounted inside the sandbox.
 pub const RUN_DIR_IN_SANDBOX: &str = "/.space/run";
+/// How long a quiesced agent gets to be back asleep before its sandbox is checkpointed.
+const CHECKPOINT_SETTLE: std::time::Duration = std::time::Duration::from_millis(100);
 /// cgroup parent of every sandbox.
 const CGROUP_PARENT: &str = "space";
 /// What `runsc checkpoint` writes last into its image directory (memory, processes and the
@@ -447,6 +449,11 @@ impl Runtime for GvisorRuntime {
             .await
             .map_err(|e| RuntimeError::io(format!("creating {}", image_dir.display()), e))?;
         let image = image_dir.to_string_lossy().into_owned();
+        // The agent has just let go of its connection and stopped its periodic work (see
+        // `space_agent`'s `Quiet`): a moment for its threads to be back asleep, since runsc
+        // (systrap, 2024-07-29) was seen to save a thread caught running with registers it
+        // cannot have had. Nothing outside the sandbox can see that they are.
+        tokio::time::sleep(CHECKPOINT_SETTLE).await;
         self.run_net(
             &["checkpoint", "--image-path", &image, id],
             is_networked(state_dir),
