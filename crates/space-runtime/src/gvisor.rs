@@ -39,7 +39,7 @@ pub const AGENT_DIR_IN_SANDBOX: &str = "/.space/bin";
 /// Where the per-sandbox run directory is mounted inside the sandbox.
 pub const RUN_DIR_IN_SANDBOX: &str = "/.space/run";
 /// How long a quiesced agent gets to be back asleep before its sandbox is checkpointed.
-const CHECKPOINT_SETTLE: std::time::Duration = std::time::Duration::from_millis(100);
+const CHECKPOINT_SETTLE: std::time::Duration = std::time::Duration::from_millis(300);
 /// cgroup parent of every sandbox.
 const CGROUP_PARENT: &str = "space";
 /// What `runsc checkpoint` writes last into its image directory (memory, processes and the

@@ -814,8 +814,10 @@ async fn a_tenant_cannot_hold_more_than_its_share_open() {
         format!("greedy-b-{}", std::process::id()),
         format!("other-a-{}", std::process::id()),
     );
+    // The step is this run's own too: a cached layer would end the build at once.
+    let step = format!("sleep 15 # {}", std::process::id());
     let recipe =
-        |name: &str| json!({"name": name, "base": "busybox", "steps": [{"run": "sleep 15"}]});
+        |name: &str| json!({"name": name, "base": "busybox", "steps": [{"run": step.clone()}]});
     let (st, b1) = call(
         &s,
         &greedy,
@@ -850,16 +852,12 @@ async fn a_tenant_cannot_hold_more_than_its_share_open() {
     // One large body at a time: an upload whose body trickles holds the slot.
     let sb = sandbox_as(&s, &greedy, json!({"template": "busybox"})).await;
     let addr = s.url.trim_start_matches("http://").to_string();
+    let slow_head = format!(
+        "PUT /v1/sandboxes/{sb}/files?path=/tmp/slow HTTP/1.1\r\nHost: x\r\n\
+         Authorization: Bearer {greedy}\r\nContent-Length: 1000\r\n\r\nabc"
+    );
     let mut slow = tokio::net::TcpStream::connect(&addr).await.unwrap();
-    slow.write_all(
-        format!(
-            "PUT /v1/sandboxes/{sb}/files?path=/tmp/slow HTTP/1.1\r\nHost: x\r\n\
-             Authorization: Bearer {greedy}\r\nContent-Length: 1000\r\n\r\nabc"
-        )
-        .as_bytes(),
-    )
-    .await
-    .unwrap();
+    slow.write_all(slow_head.as_bytes()).await.unwrap();
     let mut refused = false;
     for _ in 0..300 {
         let (st, v) = call(
@@ -878,9 +876,25 @@ async fn a_tenant_cannot_hold_more_than_its_share_open() {
             refused = true;
             break;
         }
-        // The slow upload had not reached the server yet.
+        // The slow upload had not reached the server yet, or a fast one held the slot
+        // when it did (then the slow one was answered 429 and holds nothing: again).
         assert_eq!(st, 201, "{v}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        let mut answer = [0u8; 512];
+        let answered = tokio::time::timeout(
+            Duration::from_millis(100),
+            tokio::io::AsyncReadExt::read(&mut slow, &mut answer),
+        )
+        .await;
+        if let Ok(n) = answered {
+            let n = n.unwrap_or(0);
+            assert!(
+                String::from_utf8_lossy(&answer[..n]).starts_with("HTTP/1.1 429"),
+                "the slow upload was answered: {}",
+                String::from_utf8_lossy(&answer[..n])
+            );
+            slow = tokio::net::TcpStream::connect(&addr).await.unwrap();
+            slow.write_all(slow_head.as_bytes()).await.unwrap();
+        }
     }
     assert!(
         refused,
