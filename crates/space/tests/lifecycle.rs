@@ -24,9 +24,31 @@ fn runsc_processes(sb: &str) -> Vec<(i32, String)> {
         .collect()
 }
 
+/// runsc (2024-07-29, systrap) now and then writes a checkpoint that never restores
+/// (docs/SECURITY.md, known gaps; `tests/race.rs` bounds how often). The resume must
+/// then fail cleanly, `agent_timeout` with the sandbox `suspended` again, and the cycles
+/// start over once on a new sandbox.
 #[tokio::test]
 async fn five_suspend_resume_cycles_keep_processes_files_env_and_output() {
     let s = TestServer::start().await;
+    for attempt in 0..2 {
+        match five_cycles(&s).await {
+            Ok(()) => return,
+            Err((sb, op)) => {
+                assert_eq!(op["error"]["code"], "agent_timeout", "{op}\n{}", s.log());
+                let (_, v) = s.get(&format!("/v1/sandboxes/{sb}")).await;
+                assert_eq!(v["state"], "suspended", "{v}");
+                assert!(runsc_processes(&sb).is_empty());
+                eprintln!("lifecycle: attempt {attempt}: the snapshot did not restore: {op}");
+                s.destroy(&sb).await;
+            }
+        }
+    }
+    panic!("two snapshots in a row did not restore\n{}", s.log());
+}
+
+/// The five cycles on a new sandbox; `Err((sandbox, operation))` when a resume failed.
+async fn five_cycles(s: &TestServer) -> Result<(), (String, Value)> {
     let sb = s
         .create_with(json!({"template": "busybox", "env": {"KEPT": "yes"}}))
         .await;
@@ -50,7 +72,7 @@ async fn five_suspend_resume_cycles_keep_processes_files_env_and_output() {
         assert_eq!(cmd["stdout"], "yes\n", "{cmd}");
 
         op_ok(
-            &s,
+            s,
             s.post(&format!("/v1/sandboxes/{sb}/suspend"), json!({}))
                 .await,
         )
@@ -73,12 +95,15 @@ async fn five_suspend_resume_cycles_keep_processes_files_env_and_output() {
             .await;
         assert_eq!(st, 409);
 
-        op_ok(
-            &s,
-            s.post(&format!("/v1/sandboxes/{sb}/resume"), json!({}))
-                .await,
-        )
-        .await;
+        let (st, op) = s
+            .post(&format!("/v1/sandboxes/{sb}/resume"), json!({}))
+            .await;
+        assert_eq!(st, 202, "{op}");
+        let op = s.wait_op(op["id"].as_str().unwrap()).await;
+        if op["status"] == "failed" {
+            return Err((sb, op));
+        }
+        assert_eq!(op["status"], "succeeded", "{op}\n{}", s.log());
         let (_, v) = s.get(&format!("/v1/sandboxes/{sb}")).await;
         assert_eq!(v["state"], "running");
         assert!(v["cost"]["memory_bytes"].as_u64().unwrap() > 0, "{v}");
@@ -119,6 +144,7 @@ async fn five_suspend_resume_cycles_keep_processes_files_env_and_output() {
     assert_eq!(numbers, (0..numbers.len() as u64).collect::<Vec<_>>());
     assert_eq!(end.unwrap()["result"]["signal"], 9);
     s.destroy(&sb).await;
+    Ok(())
 }
 
 #[tokio::test]
