@@ -38,6 +38,23 @@ use crate::{disk, net};
 pub const AGENT_DIR_IN_SANDBOX: &str = "/.space/bin";
 /// Where the per-sandbox run directory is mounted inside the sandbox.
 pub const RUN_DIR_IN_SANDBOX: &str = "/.space/run";
+/// The capabilities of a sandbox's (and a build step's) processes: Docker's default set.
+pub(crate) const DEFAULT_CAPS: [&str; 14] = [
+    "CAP_CHOWN",
+    "CAP_DAC_OVERRIDE",
+    "CAP_FSETID",
+    "CAP_FOWNER",
+    "CAP_MKNOD",
+    "CAP_NET_RAW",
+    "CAP_SETGID",
+    "CAP_SETUID",
+    "CAP_SETFCAP",
+    "CAP_SETPCAP",
+    "CAP_NET_BIND_SERVICE",
+    "CAP_SYS_CHROOT",
+    "CAP_KILL",
+    "CAP_AUDIT_WRITE",
+];
 /// How long a quiesced agent gets to be back asleep before its sandbox is checkpointed.
 const CHECKPOINT_SETTLE: std::time::Duration = std::time::Duration::from_millis(300);
 /// cgroup parent of every sandbox.
@@ -115,22 +132,7 @@ impl GvisorRuntime {
 
     /// The OCI runtime spec of a sandbox, whose host paths are the read-only binds of `lent`.
     fn oci_spec(&self, spec: &SandboxSpec, lent: &Lent) -> serde_json::Value {
-        let caps = [
-            "CAP_CHOWN",
-            "CAP_DAC_OVERRIDE",
-            "CAP_FSETID",
-            "CAP_FOWNER",
-            "CAP_MKNOD",
-            "CAP_NET_RAW",
-            "CAP_SETGID",
-            "CAP_SETUID",
-            "CAP_SETFCAP",
-            "CAP_SETPCAP",
-            "CAP_NET_BIND_SERVICE",
-            "CAP_SYS_CHROOT",
-            "CAP_KILL",
-            "CAP_AUDIT_WRITE",
-        ];
+        let caps = DEFAULT_CAPS;
         let env: Vec<String> = spec
             .agent_env
             .iter()

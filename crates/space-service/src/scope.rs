@@ -304,11 +304,13 @@ impl<'a> TenantService<'a> {
     }
 
     /// The tenant's operations, newest first, optionally of one of its sandboxes.
+    /// The caller's operations, newest first: `limit` of them (default 100, at most 1000).
     pub fn list_operations(
         &self,
         sandbox_id: Option<&str>,
-        limit: usize,
+        limit: Option<usize>,
     ) -> Result<Vec<Operation>> {
+        let limit = limit.unwrap_or(100).clamp(1, 1000);
         Ok(self
             .svc
             .0

@@ -213,22 +213,7 @@ fn step_spec(
     limits: &BuildLimits,
     id: &str,
 ) -> serde_json::Value {
-    let caps = [
-        "CAP_CHOWN",
-        "CAP_DAC_OVERRIDE",
-        "CAP_FSETID",
-        "CAP_FOWNER",
-        "CAP_MKNOD",
-        "CAP_NET_RAW",
-        "CAP_SETGID",
-        "CAP_SETUID",
-        "CAP_SETFCAP",
-        "CAP_SETPCAP",
-        "CAP_NET_BIND_SERVICE",
-        "CAP_SYS_CHROOT",
-        "CAP_KILL",
-        "CAP_AUDIT_WRITE",
-    ];
+    let caps = super::DEFAULT_CAPS;
     let mut env: Vec<String> = env.iter().map(|(k, v)| format!("{k}={v}")).collect();
     if !env.iter().any(|e| e.starts_with("HOME=")) {
         env.push("HOME=/root".to_owned());

@@ -55,11 +55,10 @@ pub async fn list(
         Ok(q) => q,
         Err(r) => return r.into_response(),
     };
-    let limit = q.limit.unwrap_or(100).clamp(1, 1000);
     respond(
         st.service
             .for_tenant(&tenant)
-            .list_operations(q.sandbox_id.as_deref(), limit)
+            .list_operations(q.sandbox_id.as_deref(), q.limit)
             .map(|operations| OperationList { operations }),
     )
 }
