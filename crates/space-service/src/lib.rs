@@ -10,7 +10,6 @@
 //! really runs: live sandboxes are re-adopted (their agents dial back in),
 //! vanished ones are marked `failed`, half-done operations are finished or failed.
 
-pub mod agent;
 mod chan;
 mod commands;
 mod files;
@@ -46,7 +45,7 @@ use space_store::{SandboxRecord, SqliteStore, Store, StoreError};
 use tokio::sync::{watch, Semaphore};
 use tokio_util::sync::CancellationToken;
 
-use agent::{AgentConn, AgentError};
+use space_agent_host::{self as agent, AgentConn, AgentError};
 pub use chan::ChannelReader;
 pub use commands::{CommandOutputQuery, OutputEvent};
 use retention::Activity;
