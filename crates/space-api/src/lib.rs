@@ -115,6 +115,32 @@ string_enum!(
     }
 );
 
+impl ErrorCode {
+    /// The HTTP status a response with this code has (the list above). Codes that
+    /// only fail operations have the status they would have as an answer.
+    pub fn http_status(self) -> u16 {
+        use ErrorCode::*;
+        match self {
+            InvalidRequest | InvalidJson | InvalidQuery | InvalidHeader | InvalidPath
+            | InvalidSignal | NotAFile | UnsafeArchive | TemplateUnavailable => 400,
+            Unauthorized => 401,
+            Forbidden | ForbiddenPath => 403,
+            NotFound => 404,
+            MethodNotAllowed => 405,
+            Conflict | InvalidTransition | AgentBusy | Cancelled => 409,
+            BodyTooLarge | TooLarge => 413,
+            UnsupportedMediaType => 415,
+            TooManyRequests => 429,
+            Internal | RuntimeFailed | StartFailed | SnapshotFailed | BuildFailed
+            | NetworkFailed | Interrupted => 500,
+            AgentError => 502,
+            Unavailable | AgentUnavailable | RuntimeUnavailable => 503,
+            AgentTimeout | TimedOut => 504,
+            NoSpace => 507,
+        }
+    }
+}
+
 string_enum!(
     /// Lifecycle state of a sandbox (`DESIGN.md` §1).
     SandboxState {

@@ -12,21 +12,17 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{Method, StatusCode};
-use http_body_util::BodyExt;
-use hyper::body::Incoming;
-use space_agent::protocol::{
-    ExitStatus, Frame, FrameDecoder, SignalRequest, SpawnReply, SpawnRequest, Stream,
-};
+use http::StatusCode;
+use space_agent::protocol::{ExitStatus, Frame, SpawnRequest, Stream};
 use space_api::{
     Command, CommandState, CreateCommandRequest, ProcessResult, PtySize, SandboxState,
 };
 use space_core::{new_id, now_rfc3339};
 use tokio::sync::{mpsc, watch};
 
-use super::agent::{self, AgentConn, AgentError};
 use super::output::{self, OutputProgress, OutputWriter, View};
 use super::{lock, validate_env, SandboxHandle, Service, ServiceError};
+use space_agent_host::{self as agent, AgentConn, AgentError, Attach};
 
 /// How long a new command waits for the sandbox's agent to be connected.
 const SPAWN_CONNECT_TIMEOUT: Duration = Duration::from_secs(20);
@@ -273,14 +269,7 @@ impl Service {
         let mut broken: Option<u64> = None;
         for attempt in 0..2 {
             let conn = match broken {
-                Some(gen) => {
-                    let next = rx.wait_for(|c| c.as_ref().is_some_and(|c| c.generation != gen));
-                    match tokio::time::timeout(SPAWN_CONNECT_TIMEOUT, next).await {
-                        Ok(Ok(c)) => c.clone(),
-                        _ => None,
-                    }
-                    .ok_or(AgentError::NotConnected)
-                }
+                Some(gen) => agent::wait_reconnected(&mut rx, gen, SPAWN_CONNECT_TIMEOUT).await,
                 None => agent::wait_connected(&mut rx, SPAWN_CONNECT_TIMEOUT).await,
             };
             let conn = match conn {
@@ -292,17 +281,16 @@ impl Service {
                 // The first attempt may have started it; the session finds out.
                 Err(_) => break,
             };
-            match conn
-                .json::<SpawnReply>(Method::POST, "/v1/commands", Some(&spawn))
-                .await
-            {
+            match conn.spawn(&spawn).await {
                 Ok(_) => break,
-                Err(AgentError::Status { status, .. })
+                Err(AgentError::Refused { status, .. })
                     if attempt > 0 && status == StatusCode::CONFLICT =>
                 {
                     break
                 }
-                Err(AgentError::Status { status, message }) if status.is_client_error() => {
+                Err(AgentError::Refused {
+                    status, message, ..
+                }) if status.is_client_error() => {
                     self.finalize_command(
                         &sandbox_id,
                         &id,
@@ -315,7 +303,7 @@ impl Service {
                     // After a timeout the same connection is asked again; after a break, the next.
                     broken = match e {
                         AgentError::Timeout(_) => Some(u64::MAX),
-                        _ => Some(conn.generation),
+                        _ => Some(conn.generation()),
                     };
                 }
             }
@@ -576,19 +564,12 @@ impl Service {
         })?;
         let mut rx = handle.agent.subscribe();
         let conn = agent::wait_connected(&mut rx, SPAWN_CONNECT_TIMEOUT).await?;
-        match conn
-            .json::<serde_json::Value>(
-                Method::POST,
-                &format!("/v1/commands/{id}/signal"),
-                Some(&SignalRequest { signal }),
-            )
-            .await
-        {
-            Ok(_) => {}
-            Err(AgentError::Status { status, .. }) if status == StatusCode::CONFLICT => {}
-            Err(AgentError::Status { status, message }) if status.is_client_error() => {
-                return Err(ServiceError::BadRequest(message))
-            }
+        match conn.signal(id, signal).await {
+            Ok(()) => {}
+            Err(AgentError::Refused { status, .. }) if status == StatusCode::CONFLICT => {}
+            Err(AgentError::Refused {
+                status, message, ..
+            }) if status.is_client_error() => return Err(ServiceError::BadRequest(message)),
             Err(e) => return Err(e.into()),
         }
         self.get_command(sandbox_id, id)
@@ -843,20 +824,24 @@ async fn session(
         };
         let p = writer.progress();
         let end = match conn.attach(id, p.stdout, p.stderr).await {
-            Ok((tx, body)) => {
-                ch.host_frames.send_replace(Some(tx.clone()));
-                let end = pump(body, tx, &mut writer, ch, sb).await;
-                ch.host_frames.send_replace(None);
-                end
-            }
-            Err(AgentError::Status { status, message }) if status == StatusCode::NOT_FOUND => {
-                let _ = message;
+            Ok(attach) => match attach.host_frames() {
+                Some(tx) => {
+                    ch.host_frames.send_replace(Some(tx.clone()));
+                    let end = pump(attach, tx, &mut writer, ch, sb).await;
+                    ch.host_frames.send_replace(None);
+                    end
+                }
+                None => PumpEnd::Disconnected,
+            },
+            Err(AgentError::Refused { status, .. }) if status == StatusCode::NOT_FOUND => {
                 return (
                     Outcome::Lost("the agent does not know this command any more".into()),
                     None,
                 );
             }
-            Err(AgentError::Status { status, message }) if status.is_client_error() => {
+            Err(AgentError::Refused {
+                status, message, ..
+            }) if status.is_client_error() => {
                 return (
                     Outcome::Lost(format!("the agent refused to resume the output: {message}")),
                     None,
@@ -870,9 +855,9 @@ async fn session(
             PumpEnd::Fatal(reason) => return (Outcome::Lost(reason), None),
             PumpEnd::Disconnected => {
                 // Wait for the next connection (not the broken one) or the end of the sandbox.
-                let gen = conn.generation;
+                let gen = conn.generation();
                 tokio::select! {
-                    _ = rx.wait_for(|c| c.as_ref().map(|c| c.generation) != Some(gen)) => {}
+                    _ = rx.wait_for(|c| c.as_ref().map(|c| c.generation()) != Some(gen)) => {}
                     _ = sb.closed.cancelled() => return (Outcome::Lost("the sandbox went away".into()), None),
                 }
             }
@@ -881,34 +866,29 @@ async fn session(
 }
 
 async fn pump(
-    mut body: Incoming,
+    mut attach: Attach,
     tx: mpsc::Sender<Bytes>,
     writer: &mut OutputWriter,
     ch: &CommandHandle,
     sb: &SandboxHandle,
 ) -> PumpEnd {
-    let mut decoder = FrameDecoder::new();
     loop {
-        let frame = tokio::select! {
-            f = body.frame() => f,
+        // Cancel-safe: a frame half read when the sandbox goes away is not needed.
+        let first = tokio::select! {
+            f = attach.next_frame() => f,
             _ = sb.closed.cancelled() => return PumpEnd::Closed,
         };
-        let data = match frame {
-            None => return PumpEnd::Disconnected,
-            Some(Err(_)) => return PumpEnd::Disconnected,
-            Some(Ok(f)) => match f.into_data() {
-                Ok(d) => d,
-                Err(_) => continue, // trailers
-            },
+        let mut next = match first {
+            Ok(Some(f)) => Some(f),
+            Ok(None) => return PumpEnd::Disconnected,
+            Err(AgentError::Protocol(e)) => {
+                return PumpEnd::Fatal(format!("the agent broke the protocol: {e}"))
+            }
+            Err(_) => return PumpEnd::Disconnected,
         };
-        decoder.push(&data);
+        // Every frame that has arrived is stored before one acknowledgement covers them.
         let mut wrote = false;
-        loop {
-            let frame = match decoder.next_frame() {
-                Ok(Some(f)) => f,
-                Ok(None) => break,
-                Err(e) => return PumpEnd::Fatal(format!("the agent broke the protocol: {e}")),
-            };
+        while let Some(frame) = next.take() {
             match frame {
                 Frame::Stdout { offset, data } => {
                     match append_checked(writer, Stream::Stdout, offset, &data) {
@@ -937,6 +917,10 @@ async fn pump(
                     return PumpEnd::Fatal("the agent sent a host-only frame".into());
                 }
             }
+            next = match attach.buffered_frame() {
+                Ok(f) => f,
+                Err(e) => return PumpEnd::Fatal(format!("the agent broke the protocol: {e}")),
+            };
         }
         if wrote {
             let p = writer.progress();

@@ -12,7 +12,7 @@
 
 mod chan;
 mod commands;
-mod files;
+pub mod files;
 mod lifecycle;
 mod network;
 pub mod output;
@@ -45,10 +45,10 @@ use space_store::{SandboxRecord, SqliteStore, Store, StoreError};
 use tokio::sync::{watch, Semaphore};
 use tokio_util::sync::CancellationToken;
 
-use space_agent_host::{self as agent, AgentConn, AgentError};
 pub use chan::ChannelReader;
 pub use commands::{CommandOutputQuery, OutputEvent};
 use retention::Activity;
+use space_agent_host::{self as agent, AgentConn, AgentError};
 pub use tenancy::{Limits, Principal, Tenant};
 
 /// How often a compare-and-swap write is tried again after losing to another writer.
@@ -122,6 +122,27 @@ pub enum ServiceError {
     Store(#[from] StoreError),
     #[error("internal error: {0}")]
     Internal(String),
+    /// An error with a code of its own (a file path, an upload past the limit, what the
+    /// sandbox's agent refused); its HTTP status is the code's.
+    #[error("{}", .0.message)]
+    Api(ApiError),
+}
+
+impl ServiceError {
+    /// The stable code a client sees for this error.
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            ServiceError::NotFound(_) => ErrorCode::NotFound,
+            ServiceError::BadRequest(_) => ErrorCode::InvalidRequest,
+            ServiceError::Conflict(_) => ErrorCode::Conflict,
+            ServiceError::InvalidTransition(_) => ErrorCode::InvalidTransition,
+            ServiceError::Unavailable(_) => ErrorCode::Unavailable,
+            ServiceError::Forbidden(_) => ErrorCode::Forbidden,
+            ServiceError::TooMany { .. } => ErrorCode::TooManyRequests,
+            ServiceError::Store(_) | ServiceError::Internal(_) => ErrorCode::Internal,
+            ServiceError::Api(e) => e.code,
+        }
+    }
 }
 
 pub type Result<T, E = ServiceError> = std::result::Result<T, E>;
@@ -1081,14 +1102,10 @@ pub fn truncate(s: &str, max: usize) -> &str {
 }
 
 impl From<AgentError> for ServiceError {
+    /// The agent away or not answering is a 503 the caller may retry, never a hang; what
+    /// it refused keeps the refusal's code when that is one of the API's.
     fn from(e: AgentError) -> Self {
-        match e {
-            // The agent is away or not answering: a 503 the caller may retry, never a hang.
-            AgentError::NotConnected | AgentError::Timeout(_) | AgentError::Connection(_) => {
-                ServiceError::Unavailable(error_chain(&e))
-            }
-            other => ServiceError::Internal(error_chain(&other)),
-        }
+        files::agent_failure(e)
     }
 }
 

@@ -481,11 +481,7 @@ impl Service {
                 return Err(e);
             }
         };
-        let _ = tokio::time::timeout(
-            Duration::from_secs(2),
-            conn.json::<serde_json::Value>(http::Method::POST, "/v1/quiesce", None::<&()>),
-        )
-        .await;
+        let _ = tokio::time::timeout(Duration::from_secs(2), conn.quiesce()).await;
         drop(conn);
         let gone = matches!(
             tokio::time::timeout(QUIESCE_TIMEOUT, rx.wait_for(|c| c.is_none())).await,

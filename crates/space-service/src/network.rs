@@ -6,15 +6,14 @@
 //! address, reachable only if allowed).
 
 use bytes::Bytes;
-use http::{Method, Request, StatusCode};
-use http_body_util::{BodyExt, Full, Limited};
 use space_api::ErrorCode;
 use space_api::{ApiError, EgressRule, NetworkSpec};
 use space_core::runtime::{EgressAllow, EgressConfig};
 use space_runtime::net;
 
-use super::agent::AgentConn;
-use super::ServiceError;
+use space_agent_host::{AgentConn, AgentError};
+
+use super::{error_chain, ServiceError};
 
 /// Largest `/etc/hosts` the host reads back from a sandbox to extend it.
 const MAX_HOSTS_FILE: usize = 64 << 10;
@@ -114,53 +113,19 @@ pub(crate) async fn write_hosts(conn: &AgentConn, n: &NetworkSpec) -> Result<(),
         return Ok(());
     }
     let failed = |what: String| ApiError::new(ErrorCode::NetworkFailed, what);
-    let uri = "http://agent/v1/files?path=/etc/hosts";
-    let get = Request::builder()
-        .method(Method::GET)
-        .uri(uri)
-        .body(
-            Full::new(Bytes::new())
-                .map_err(|n| match n {})
-                .boxed_unsync(),
-        )
-        .map_err(|e| failed(e.to_string()))?;
-    let resp = conn
-        .send(get)
-        .await
-        .map_err(|e| failed(format!("reading /etc/hosts: {e}")))?;
-    let mut text = if resp.status() == StatusCode::OK {
-        let body = Limited::new(resp.into_body(), MAX_HOSTS_FILE)
-            .collect()
-            .await
-            .map_err(|e| failed(format!("reading /etc/hosts: {e}")))?
-            .to_bytes();
-        String::from_utf8_lossy(&body).into_owned()
-    } else {
-        "127.0.0.1\tlocalhost\n".to_string()
+    let mut text = match conn.read_file("/etc/hosts", MAX_HOSTS_FILE).await {
+        Ok(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
+        // None yet (or none the agent will read): start one.
+        Err(AgentError::Refused { .. }) => "127.0.0.1\tlocalhost\n".to_string(),
+        Err(e) => return Err(failed(format!("reading /etc/hosts: {}", error_chain(&e)))),
     };
     if !text.is_empty() && !text.ends_with('\n') {
         text.push('\n');
     }
     text.push_str("# space: the hostnames of network.allow, as resolved at create\n");
     text.push_str(&lines);
-    let put = Request::builder()
-        .method(Method::PUT)
-        .uri(uri)
-        .body(
-            Full::new(Bytes::from(text))
-                .map_err(|n| match n {})
-                .boxed_unsync(),
-        )
-        .map_err(|e| failed(e.to_string()))?;
-    let resp = conn
-        .send(put)
+    conn.write_file("/etc/hosts", Bytes::from(text))
         .await
-        .map_err(|e| failed(format!("writing /etc/hosts: {e}")))?;
-    if !resp.status().is_success() {
-        return Err(failed(format!(
-            "writing /etc/hosts: the agent answered {}",
-            resp.status()
-        )));
-    }
+        .map_err(|e| failed(format!("writing /etc/hosts: {}", error_chain(&e))))?;
     Ok(())
 }

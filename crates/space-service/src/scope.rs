@@ -11,17 +11,17 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{Method, Response};
-use hyper::body::Incoming;
+use futures::StreamExt;
 use space_api::{
-    Command, CreateCommandRequest, CreateSandboxRequest, Event, KeepaliveRequest, Operation,
-    Sandbox, Template,
+    ApiError, Command, CreateCommandRequest, CreateSandboxRequest, ErrorCode, Event, FileInfo,
+    FileListing, KeepaliveRequest, MkdirRequest, MoveRequest, Operation, Removed, Sandbox,
+    Template,
 };
-use space_runtime::build::Recipe;
+use space_runtime::build::{Recipe, MAX_RECIPE_BYTES};
 use space_store::SandboxRecord;
 use tokio::sync::mpsc;
 
-use super::agent::HostBody;
+use super::files::{Download, DownloadFormat, UploadKind, UploadStream, Uploaded};
 use super::tenancy::{template_visible, Permit, Tenant};
 use super::{truncate, CommandOutputQuery, OutputEvent, Result, Service, ServiceError};
 
@@ -269,25 +269,64 @@ impl<'a> TenantService<'a> {
 
     // ---- files ----
 
-    /// A file request to the sandbox's agent (see [`Service::files_request`]).
-    pub async fn files_request(
+    /// `path`'s bytes, or a tar of it, as a stream (see [`Download`]).
+    pub async fn download_file(
         &self,
         id: &str,
-        method: Method,
-        path_and_query: &str,
-        content_type: Option<&str>,
-        body: HostBody,
-    ) -> Result<Response<Incoming>> {
+        path: &str,
+        format: DownloadFormat,
+    ) -> Result<Download> {
+        self.sandbox(id)?;
+        self.svc.download_file(id, path, format).await
+    }
+
+    /// Writes `body` at `path` (see [`UploadKind`]): at most the server's upload limit
+    /// (`declared`: the length the caller announced, refused early when over it), one
+    /// of the tenant's uploads in flight meanwhile.
+    pub async fn upload_file(
+        &self,
+        id: &str,
+        path: &str,
+        kind: UploadKind,
+        declared: Option<u64>,
+        body: UploadStream,
+    ) -> Result<Uploaded> {
         self.sandbox(id)?;
         self.svc
-            .files_request(id, method, path_and_query, content_type, body)
+            .upload_file(self.tenant, id, path, kind, declared, body)
             .await
     }
 
-    /// A slot for one large request body (an upload, a recipe), held while it is read
-    /// and used: 429 past the tenant's limit.
-    pub fn admit_upload(&self) -> Result<Permit> {
-        self.svc.admit_upload(self.tenant)
+    pub async fn list_files(
+        &self,
+        id: &str,
+        path: &str,
+        depth: Option<u32>,
+    ) -> Result<FileListing> {
+        self.sandbox(id)?;
+        self.svc.list_files(id, path, depth).await
+    }
+
+    pub async fn stat_file(&self, id: &str, path: &str) -> Result<FileInfo> {
+        self.sandbox(id)?;
+        self.svc.stat_file(id, path).await
+    }
+
+    /// Creates a directory and its parents (`mkdir -p`).
+    pub async fn mkdir(&self, id: &str, req: &MkdirRequest) -> Result<FileInfo> {
+        self.sandbox(id)?;
+        self.svc.mkdir(id, req).await
+    }
+
+    pub async fn move_file(&self, id: &str, req: &MoveRequest) -> Result<FileInfo> {
+        self.sandbox(id)?;
+        self.svc.move_file(id, req).await
+    }
+
+    /// Removes `path` (a directory's tree with `recursive`); never the root.
+    pub async fn remove_file(&self, id: &str, path: &str, recursive: bool) -> Result<Removed> {
+        self.sandbox(id)?;
+        self.svc.remove_file(id, path, recursive).await
     }
 
     /// A slot for one long-lived response (429 past the tenant's limit).
@@ -353,6 +392,43 @@ impl<'a> TenantService<'a> {
             }
         }
         Ok(visible)
+    }
+
+    /// `POST /v1/templates` with the recipe as JSON bytes, read here: at most
+    /// `MAX_RECIPE_BYTES` (files are inlined, so a recipe may be large), one of the
+    /// tenant's uploads in flight while it is read and checked.
+    pub async fn build_template_json(
+        &self,
+        declared: Option<u64>,
+        mut body: UploadStream,
+    ) -> Result<Operation> {
+        let too_large = || {
+            ServiceError::Api(ApiError::new(
+                ErrorCode::BodyTooLarge,
+                format!("recipe larger than {MAX_RECIPE_BYTES} bytes"),
+            ))
+        };
+        if declared.is_some_and(|n| n > MAX_RECIPE_BYTES as u64) {
+            return Err(too_large());
+        }
+        let _upload = self.svc.admit_upload(self.tenant)?;
+        let mut bytes = Vec::new();
+        while let Some(chunk) = body.next().await {
+            let chunk = chunk.map_err(|e| {
+                ServiceError::BadRequest(format!("reading the recipe: {}", super::error_chain(&*e)))
+            })?;
+            if bytes.len() + chunk.len() > MAX_RECIPE_BYTES {
+                return Err(too_large());
+            }
+            bytes.extend_from_slice(&chunk);
+        }
+        let recipe: Recipe = serde_json::from_slice(&bytes).map_err(|e| {
+            ServiceError::Api(ApiError::new(
+                ErrorCode::InvalidJson,
+                format!("invalid recipe: {e}"),
+            ))
+        })?;
+        self.build_template(recipe).await
     }
 
     /// `POST /v1/templates`: the recipe's name becomes the tenant's.

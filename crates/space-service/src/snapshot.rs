@@ -13,13 +13,12 @@
 //! with a 64 MiB disk can hold a 100 GiB sparse file, and the copy carries its
 //! zeros). Past that the snapshot fails and nothing is kept.
 
-use http::{Method, Request};
-use http_body_util::{BodyExt, Full};
+use space_agent_host::{self as agent, DownloadFormat};
 use space_api::ErrorCode;
 use space_api::{ApiError, Operation, OperationKind, OperationStatus, SandboxState};
 use space_runtime::template::{DefaultResources, Template, TemplateError};
 
-use super::{agent, error_chain, new_operation, Result, Service, ServiceError};
+use super::{error_chain, new_operation, Result, Service, ServiceError};
 use crate::ChannelReader;
 
 /// Most a template made from a sandbox may hold.
@@ -93,46 +92,27 @@ impl Service {
         let conn = agent::wait_connected(&mut rx, std::time::Duration::from_secs(20))
             .await
             .map_err(|e| ApiError::new(ErrorCode::Unavailable, e.to_string()))?;
-        let req = Request::builder()
-            .method(Method::GET)
-            .uri("http://agent/v1/files?path=%2F&format=tar")
-            .body(
-                Full::new(bytes::Bytes::new())
-                    .map_err(|never| match never {})
-                    .boxed_unsync(),
-            )
-            .map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string()))?;
-        let resp = conn
-            .send(req)
-            .await
-            .map_err(|e| ApiError::new(ErrorCode::Unavailable, error_chain(&e)))?;
-        if !resp.status().is_success() {
-            return Err(ApiError::new(
-                ErrorCode::AgentError,
-                format!("the sandbox's agent answered {} to the copy", resp.status()),
-            ));
-        }
+        let download = conn.download("/", DownloadFormat::Tar).await.map_err(|e| {
+            match super::files::agent_failure(e) {
+                ServiceError::Api(e) => ApiError::new(
+                    ErrorCode::AgentError,
+                    format!("the sandbox's agent refused the copy: {}", e.message),
+                ),
+                e => ApiError::new(ErrorCode::Unavailable, e.to_string()),
+            }
+        })?;
         self.touch(sandbox_id);
 
         // The download feeds a blocking unpacker through a small queue (bounded memory);
         // an error trailer from the agent, or a broken stream, fails the reader.
         let (tx, rx) = tokio::sync::mpsc::channel::<std::io::Result<Vec<u8>>>(8);
-        let mut body = resp.into_body();
+        let mut body = download.body;
         let pump = tokio::spawn(async move {
-            while let Some(frame) = body.frame().await {
-                let item = match frame {
-                    Ok(f) => match f.into_data() {
-                        Ok(data) => Ok(data.to_vec()),
-                        Err(f) => match f.trailers_ref().and_then(|t| t.get("x-space-error")) {
-                            Some(e) => Err(std::io::Error::other(format!(
-                                "the agent failed while packing: {}",
-                                String::from_utf8_lossy(&e.as_bytes()[..e.len().min(512)])
-                            ))),
-                            None => continue,
-                        },
-                    },
-                    Err(e) => Err(std::io::Error::other(format!("the copy broke off: {e}"))),
-                };
+            use futures::StreamExt;
+            while let Some(item) = body.next().await {
+                let item = item.map(|data| data.to_vec()).map_err(|e| {
+                    std::io::Error::other(format!("the copy failed: {}", error_chain(&e)))
+                });
                 let failed = item.is_err();
                 if tx.send(item).await.is_err() || failed {
                     return;

@@ -162,19 +162,24 @@ pub async fn serve(
     let _ = tokio::time::timeout(DRAIN, tracker.wait()).await;
 }
 
-/// A request body that fails when no chunk arrives for `idle`.
-struct IdleTimeout {
-    inner: Incoming,
+/// A request body that fails when no chunk arrives for `idle` while the server waits
+/// for one. Time the server spends not reading (a slow agent pushing back on an upload)
+/// does not count: the clock starts when a read finds nothing there.
+struct IdleTimeout<B> {
+    inner: B,
     idle: Duration,
     sleep: Pin<Box<tokio::time::Sleep>>,
+    /// Whether the last poll found nothing (the clock runs).
+    waiting: bool,
 }
 
-impl IdleTimeout {
-    fn new(inner: Incoming, idle: Duration) -> IdleTimeout {
+impl<B> IdleTimeout<B> {
+    fn new(inner: B, idle: Duration) -> IdleTimeout<B> {
         IdleTimeout {
             inner,
             idle,
             sleep: Box::pin(tokio::time::sleep(idle)),
+            waiting: false,
         }
     }
 }
@@ -183,7 +188,11 @@ impl IdleTimeout {
 #[error("the request body stalled for {0:?}")]
 struct BodyStalled(Duration);
 
-impl http_body::Body for IdleTimeout {
+impl<B> http_body::Body for IdleTimeout<B>
+where
+    B: http_body::Body<Data = Bytes> + Unpin,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
     type Data = Bytes;
     type Error = Box<dyn std::error::Error + Send + Sync>;
 
@@ -194,14 +203,20 @@ impl http_body::Body for IdleTimeout {
         let this = &mut *self;
         match Pin::new(&mut this.inner).poll_frame(cx) {
             Poll::Ready(frame) => {
-                let deadline = tokio::time::Instant::now() + this.idle;
-                this.sleep.as_mut().reset(deadline);
+                this.waiting = false;
                 Poll::Ready(frame.map(|f| f.map_err(Into::into)))
             }
-            Poll::Pending => match this.sleep.as_mut().poll(cx) {
-                Poll::Ready(()) => Poll::Ready(Some(Err(Box::new(BodyStalled(this.idle))))),
-                Poll::Pending => Poll::Pending,
-            },
+            Poll::Pending => {
+                if !this.waiting {
+                    this.waiting = true;
+                    let deadline = tokio::time::Instant::now() + this.idle;
+                    this.sleep.as_mut().reset(deadline);
+                }
+                match this.sleep.as_mut().poll(cx) {
+                    Poll::Ready(()) => Poll::Ready(Some(Err(Box::new(BodyStalled(this.idle))))),
+                    Poll::Pending => Poll::Pending,
+                }
+            }
         }
     }
 
@@ -211,5 +226,55 @@ impl http_body::Body for IdleTimeout {
 
     fn size_hint(&self) -> SizeHint {
         self.inner.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod idle_tests {
+    use super::*;
+    use http_body_util::BodyExt;
+
+    type Chunk = Result<Frame<Bytes>, std::convert::Infallible>;
+
+    fn body(
+        rx: tokio::sync::mpsc::Receiver<Chunk>,
+    ) -> IdleTimeout<http_body_util::StreamBody<tokio_stream::wrappers::ReceiverStream<Chunk>>>
+    {
+        IdleTimeout::new(
+            http_body_util::StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(rx)),
+            Duration::from_secs(2),
+        )
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn time_the_server_does_not_read_is_not_a_stall() {
+        let (tx, rx) = tokio::sync::mpsc::channel(4);
+        let mut b = body(rx);
+        tx.send(Ok(Frame::data(Bytes::from_static(b"a"))))
+            .await
+            .unwrap();
+        assert!(b.frame().await.unwrap().is_ok());
+        // The server is busy elsewhere (a slow agent) for longer than the limit, and the
+        // client, held back meanwhile, needs a moment to send again once it is read.
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        let send_later = |tx: tokio::sync::mpsc::Sender<Chunk>, after_ms| {
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(after_ms)).await;
+                tx.send(Ok(Frame::data(Bytes::from_static(b"b"))))
+                    .await
+                    .unwrap();
+                tx
+            })
+        };
+        let sender = send_later(tx, 1500);
+        assert!(b.frame().await.unwrap().is_ok());
+        let tx = sender.await.unwrap();
+        // The clock starts at each read that finds nothing.
+        let sender = send_later(tx, 1900);
+        assert!(b.frame().await.unwrap().is_ok());
+        let _tx = sender.await.unwrap();
+        // A client that sends nothing for the limit while the server waits ends the body.
+        let e = b.frame().await.unwrap().unwrap_err();
+        assert!(e.to_string().contains("stalled"), "{e}");
     }
 }

@@ -183,25 +183,12 @@ impl From<ServiceError> for HttpError {
 
 impl IntoResponse for HttpError {
     fn into_response(self) -> Response {
-        let (status, code) = match &self.0 {
-            ServiceError::NotFound(_) => (StatusCode::NOT_FOUND, ErrorCode::NotFound),
-            ServiceError::BadRequest(_) => (StatusCode::BAD_REQUEST, ErrorCode::InvalidRequest),
-            ServiceError::Conflict(_) => (StatusCode::CONFLICT, ErrorCode::Conflict),
-            ServiceError::InvalidTransition(_) => {
-                (StatusCode::CONFLICT, ErrorCode::InvalidTransition)
-            }
-            ServiceError::Unavailable(_) => {
-                (StatusCode::SERVICE_UNAVAILABLE, ErrorCode::Unavailable)
-            }
-            ServiceError::Forbidden(_) => (StatusCode::FORBIDDEN, ErrorCode::Forbidden),
-            ServiceError::TooMany { .. } => {
-                (StatusCode::TOO_MANY_REQUESTS, ErrorCode::TooManyRequests)
-            }
-            ServiceError::Store(_) | ServiceError::Internal(_) => {
-                tracing::error!(error = %error_chain(&self.0), "internal error");
-                (StatusCode::INTERNAL_SERVER_ERROR, ErrorCode::Internal)
-            }
-        };
+        let code = self.0.code();
+        let status =
+            StatusCode::from_u16(code.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        if code == ErrorCode::Internal {
+            tracing::error!(error = %error_chain(&self.0), "internal error");
+        }
         let message = match &self.0 {
             ServiceError::Store(_) => "internal storage error".to_string(),
             e => e.to_string(),

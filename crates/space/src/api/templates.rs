@@ -1,15 +1,13 @@
 //! `/v1/templates`: list, build from a recipe (an operation), delete.
 
-use axum::body::Body;
 use axum::extract::{Path, Request, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Extension;
-use space_api::ErrorCode;
+use futures::StreamExt;
 use space_api::TemplateList;
-use space_runtime::build::{Recipe, MAX_RECIPE_BYTES};
 
-use super::{error, respond, respond_with, AppState, HttpError};
+use super::{respond, respond_with, AppState, HttpError};
 use space_service::Tenant;
 
 /// Built-in templates and the caller's own.
@@ -22,49 +20,30 @@ pub async fn list(State(st): State<AppState>, Extension(tenant): Extension<Tenan
     )
 }
 
-/// `POST /v1/templates`: a recipe (JSON, unknown fields refused, at most `MAX_RECIPE_BYTES`:
-/// files are inlined) → 202 + a `build` operation.
+/// `POST /v1/templates`: a recipe (JSON, unknown fields refused, at most
+/// `MAX_RECIPE_BYTES`: files are inlined) → 202 + a `build` operation. The service reads
+/// and checks the body.
 pub async fn build(
     State(st): State<AppState>,
     Extension(tenant): Extension<Tenant>,
     req: Request,
 ) -> Response {
-    let too_large = || {
-        error(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            ErrorCode::BodyTooLarge,
-            format!("recipe larger than {MAX_RECIPE_BYTES} bytes"),
-        )
-    };
     let declared = req
         .headers()
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|n| n > MAX_RECIPE_BYTES as u64) {
-        return too_large();
-    }
-    let scope = st.service.for_tenant(&tenant);
-    // A recipe may be large (files are inlined): one of the tenant's uploads in flight.
-    let _upload = match scope.admit_upload() {
-        Ok(p) => p,
-        Err(e) => return HttpError(e).into_response(),
-    };
-    let body: Body = req.into_body();
-    let Ok(bytes) = axum::body::to_bytes(body, MAX_RECIPE_BYTES).await else {
-        return too_large();
-    };
-    let recipe: Recipe = match serde_json::from_slice(&bytes) {
-        Ok(r) => r,
-        Err(e) => {
-            return error(
-                StatusCode::BAD_REQUEST,
-                ErrorCode::InvalidJson,
-                format!("invalid recipe: {e}"),
-            )
-        }
-    };
-    respond_with(StatusCode::ACCEPTED, scope.build_template(recipe).await)
+    let body = req
+        .into_body()
+        .into_data_stream()
+        .map(|r| r.map_err(|e| Box::new(e) as space_service::files::BodyError));
+    respond_with(
+        StatusCode::ACCEPTED,
+        st.service
+            .for_tenant(&tenant)
+            .build_template_json(declared, Box::pin(body))
+            .await,
+    )
 }
 
 /// `DELETE /v1/templates/{name}`: 204, 404 unknown (or another tenant's), 409 built in or in use.
