@@ -49,6 +49,22 @@ static NEXT_GROUP: AtomicU64 = AtomicU64::new(1);
 /// Groups of ended commands that still had processes (a command without a
 /// timeout may leave daemons): removed once they are empty.
 static LEFTOVERS: Mutex<Vec<CString>> = Mutex::new(Vec::new());
+/// Groups made ahead of the commands that will take them, and the groups of
+/// ended commands waiting to be removed: making and removing a cgroup with the
+/// memory controller costs milliseconds in a TCG guest, so both happen on the
+/// [`keeper`] thread, off the path from a spawn request to its exec.
+static POOL: Mutex<Pool> = Mutex::new(Pool {
+    ready: Vec::new(),
+    ended: Vec::new(),
+});
+static POOL_WAKE: std::sync::Condvar = std::sync::Condvar::new();
+/// How many groups the keeper keeps ready.
+const READY_GROUPS: usize = 2;
+
+struct Pool {
+    ready: Vec<Group>,
+    ended: Vec<CString>,
+}
 
 /// What [`setup`] did, for the agent's log.
 #[derive(Debug)]
@@ -146,6 +162,14 @@ fn configure(pids: u64) -> io::Result<Setup> {
     // Kept open for the life of the agent.
     SHARED_PROCS.store(std::os::fd::IntoRawFd::into_raw_fd(procs), Ordering::SeqCst);
     let _ = COMMANDS.set(OwnedFd::from(dir));
+    // The keeper sleeps while it has nothing to do, so it is no thread a
+    // snapshot has to wait for.
+    if let Err(e) = std::thread::Builder::new()
+        .name("cgroups".into())
+        .spawn(keeper)
+    {
+        note!("space-agent: no thread to make cgroups ahead ({e}); each spawn makes its own");
+    }
     Ok(Setup::Confined { pids, memory_bytes })
 }
 
@@ -234,16 +258,66 @@ fn remove(name: &CStr) -> bool {
     unsafe { libc::unlinkat(parent.as_raw_fd(), name.as_ptr(), libc::AT_REMOVEDIR) == 0 }
 }
 
-impl Group {
-    /// A new cgroup for one command; `None` where commands have no cgroups, or
-    /// when it cannot be made (the command then joins the shared group, and its
-    /// processes are found as under gVisor).
-    pub fn create() -> Option<Group> {
-        let parent = COMMANDS.get()?;
+/// The keeper thread: keeps [`READY_GROUPS`] groups made, and removes the
+/// groups of ended commands.
+fn keeper() {
+    loop {
+        let (want, ended) = {
+            let Ok(mut pool) = POOL.lock() else { return };
+            while pool.ready.len() >= READY_GROUPS && pool.ended.is_empty() {
+                pool = match POOL_WAKE.wait(pool) {
+                    Ok(p) => p,
+                    Err(_) => return,
+                };
+            }
+            (
+                READY_GROUPS.saturating_sub(pool.ready.len()),
+                std::mem::take(&mut pool.ended),
+            )
+        };
+        for name in ended {
+            if !remove(&name) {
+                if let Ok(mut left) = LEFTOVERS.lock() {
+                    left.push(name);
+                }
+            }
+        }
         // Groups that were left with processes are removed once those have ended.
         if let Ok(mut left) = LEFTOVERS.lock() {
             left.retain(|name| !remove(name));
         }
+        let mut made = Vec::with_capacity(want);
+        for _ in 0..want {
+            match Group::make() {
+                Some(g) => made.push(g),
+                // Spawns make their own (and say why) until this works again.
+                None => break,
+            }
+        }
+        let short = made.len() < want;
+        if let Ok(mut pool) = POOL.lock() {
+            pool.ready.extend(made);
+        }
+        if short {
+            std::thread::sleep(std::time::Duration::from_secs(1));
+        }
+    }
+}
+
+impl Group {
+    /// A new cgroup for one command; `None` where commands have no cgroups, or
+    /// when it cannot be made (the command then joins the shared group, and its
+    /// processes are found as under gVisor). Takes one the keeper made ahead
+    /// when there is one.
+    pub fn create() -> Option<Group> {
+        COMMANDS.get()?;
+        let ready = POOL.lock().ok().and_then(|mut pool| pool.ready.pop());
+        POOL_WAKE.notify_one();
+        ready.or_else(Group::make)
+    }
+
+    fn make() -> Option<Group> {
+        let parent = COMMANDS.get()?;
         let n = NEXT_GROUP.fetch_add(1, Ordering::Relaxed);
         let name = CString::new(format!("c{n}")).ok()?;
         // SAFETY: a valid directory descriptor and C string.
@@ -335,6 +409,12 @@ impl Group {
 
 impl Drop for Group {
     fn drop(&mut self) {
+        // The keeper removes it later (a group is only removable once empty).
+        if let Ok(mut pool) = POOL.lock() {
+            pool.ended.push(self.name.clone());
+            POOL_WAKE.notify_one();
+            return;
+        }
         if !remove(&self.name) {
             if let Ok(mut left) = LEFTOVERS.lock() {
                 left.push(self.name.clone());
