@@ -30,3 +30,4 @@ pub use listen::{
     handshake, listen, wait_connected, wait_reconnected, HandshakeError, HANDSHAKE_TIMEOUT,
     MAX_HANDSHAKES,
 };
+pub use space_agent::protocol;

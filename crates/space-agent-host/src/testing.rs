@@ -10,8 +10,9 @@ use hyper::body::Incoming;
 use space_agent::protocol::Hello;
 use tokio::net::{UnixListener, UnixStream};
 
-use crate::conn::{body_from_bytes, AgentConn};
+use crate::conn::{body_from_bytes, encode, AgentConn};
 use crate::error::AgentError;
+use crate::files::DownloadFormat;
 use crate::listen::{handshake, HandshakeError};
 
 #[derive(Debug, thiserror::Error)]
@@ -42,6 +43,21 @@ impl AgentConn {
             None,
         )
         .await
+    }
+
+    /// The request of [`AgentConn::download`], its answer returned as the agent sent it
+    /// (status, headers, body and trailers unread): for the tests of what the typed call
+    /// reads only in part (the exact header text, the content type, the trailers).
+    pub async fn download_answer(
+        &self,
+        path: &str,
+        format: DownloadFormat,
+    ) -> Result<Response<Incoming>, AgentError> {
+        let mut query = format!("/v1/files?path={}", encode(path));
+        if format == DownloadFormat::Tar {
+            query.push_str("&format=tar");
+        }
+        self.send_raw(Method::GET, &query, None, Bytes::new()).await
     }
 }
 

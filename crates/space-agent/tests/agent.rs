@@ -1,5 +1,6 @@
 //! Runs the real agent binary as a child process and plays the host: listens on
-//! the socket, checks the handshake, then speaks HTTP/2 to the agent.
+//! the socket and takes the agent's connections with the host's own end of the
+//! protocol (`space_agent_host`), whose typed calls make the requests.
 //!
 //! With `SPACE_AGENT_TEST_RUNSC` (a `runsc` binary) and `SPACE_AGENT_TEST_ROOTFS`
 //! (a root filesystem, e.g. a Debian template) set, and `SPACE_AGENT_BIN` naming a
@@ -7,32 +8,24 @@
 //! production (root only). Tests only name paths inside their temporary
 //! directory, which the sandbox sees at [`Host::guest_dir`].
 
-use std::convert::Infallible;
 use std::path::PathBuf;
-use std::pin::Pin;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use http::{Method, Request, StatusCode};
-use http_body_util::combinators::BoxBody;
-use http_body_util::{BodyExt, Full};
-use hyper::body::Incoming;
-use hyper::client::conn::http2::SendRequest;
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use http::{Method, StatusCode};
+use http_body_util::BodyExt;
 use serde_json::{json, Value};
-use space_agent::protocol::{
-    self, CommandInfo, ExitStatus, Frame, FrameDecoder, Hello, HelloReply, PtySize, SpawnReply,
-    MAX_DATA_CHUNK, PROTOCOL_VERSION, RETAIN_MAX_BYTES,
+// Not `space_agent::protocol`: space-agent-host was built against its own build of this
+// crate, whose protocol types are the ones its calls take and return.
+use space_agent_host::protocol::{
+    AgentInfo, CommandInfo, ExitStatus, Frame, Hello, PtySize, SpawnReply, SpawnRequest,
+    SpawnRequestError, MAX_DATA_CHUNK, PROTOCOL_VERSION, RETAIN_MAX_BYTES,
 };
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::UnixListener;
-use tokio::sync::mpsc;
-use tokio::task::JoinHandle;
-
-type Body = BoxBody<Bytes, Infallible>;
+use space_agent_host::{testing, AgentConn, AgentError};
+use tokio::io::AsyncReadExt;
+use tokio::net::{UnixListener, UnixStream};
 
 /// Longest any single wait in these tests may take before the test fails.
 const WAIT: Duration = Duration::from_secs(20);
@@ -206,41 +199,35 @@ impl Host {
         }
     }
 
-    /// Accepts the agent's next connection, checks its hello and accepts it.
+    /// Accepts the agent's next connection as the server does, and checks its hello.
     async fn accept(&self) -> Conn {
-        let stream = self.accept_raw().await;
-        let (send, conn) =
-            hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(stream))
-                .await
-                .expect("h2 handshake");
-        let task = tokio::spawn(async move {
-            let _ = conn.await;
-        });
-        Conn { send, task }
+        let (conn, hello) = within(
+            "agent to connect",
+            testing::accept(&self.listener, SANDBOX, &self.token),
+        )
+        .await
+        .expect("accept the agent");
+        self.check_hello(&hello);
+        Conn(conn)
     }
 
     /// Accepts the agent's next connection and completes the handshake, no more.
-    async fn accept_raw(&self) -> tokio::net::UnixStream {
-        let (mut stream, _) = within("agent to connect", self.listener.accept())
-            .await
-            .expect("accept");
-        let line = within("hello", protocol::read_handshake_line(&mut stream))
-            .await
-            .expect("hello line");
-        let hello: Hello = serde_json::from_slice(&line).expect("hello json");
+    async fn accept_hello(&self) -> (UnixStream, Hello) {
+        let (stream, hello) = within(
+            "agent to connect",
+            testing::accept_hello(&self.listener, SANDBOX, &self.token),
+        )
+        .await
+        .expect("accept the agent's hello");
+        self.check_hello(&hello);
+        (stream, hello)
+    }
+
+    fn check_hello(&self, hello: &Hello) {
         assert_eq!(hello.protocol, PROTOCOL_VERSION);
         assert_eq!(hello.sandbox_id, SANDBOX);
         assert_eq!(hello.token, self.token);
         assert!(!hello.agent_version.is_empty());
-        let reply = HelloReply {
-            ok: true,
-            protocol: PROTOCOL_VERSION,
-            error: None,
-        };
-        let mut out = serde_json::to_vec(&reply).expect("json");
-        out.push(b'\n');
-        stream.write_all(&out).await.expect("write reply");
-        stream
     }
 }
 
@@ -310,56 +297,53 @@ fn sandbox_spec(
     })
 }
 
-/// A request body the test feeds frame by frame.
-struct ChannelBody(mpsc::Receiver<Bytes>);
-
-impl http_body::Body for ChannelBody {
-    type Data = Bytes;
-    type Error = Infallible;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<http_body::Frame<Bytes>, Infallible>>> {
-        self.0
-            .poll_recv(cx)
-            .map(|o| o.map(|b| Ok(http_body::Frame::data(b))))
-    }
-}
-
-struct Conn {
-    send: SendRequest<Body>,
-    task: JoinHandle<()>,
-}
+/// The host's end of one agent connection, the test's checks around its typed calls.
+struct Conn(AgentConn);
 
 impl Conn {
     /// Closes the connection as a crashing host would.
     fn drop_connection(self) {
-        self.task.abort();
+        self.0.close();
     }
 
-    async fn request(
-        &mut self,
-        method: Method,
-        path: &str,
-        body: Option<Value>,
-    ) -> (StatusCode, Bytes) {
-        let body: Body = match body {
-            Some(v) => Full::new(Bytes::from(v.to_string())).boxed(),
-            None => Full::new(Bytes::new()).boxed(),
-        };
-        let req = Request::builder()
-            .method(method)
-            .uri(format!("http://agent{path}"))
-            .header("content-type", "application/json")
-            .body(body)
-            .expect("request");
-        within("send_request ready", self.send.ready())
+    async fn try_spawn(&self, req: Value) -> Result<SpawnReply, AgentError> {
+        let req: SpawnRequest = serde_json::from_value(req).expect("a spawn request");
+        within("spawn", self.0.spawn(&req)).await
+    }
+
+    async fn spawn(&self, req: Value) -> u32 {
+        self.try_spawn(req).await.expect("spawn").pid
+    }
+
+    async fn commands(&self) -> Vec<CommandInfo> {
+        within("the command list", self.0.commands())
             .await
-            .expect("ready");
-        let resp = within(path, self.send.send_request(req))
-            .await
-            .expect("response");
+            .expect("command list")
+    }
+
+    async fn command(&self, id: &str) -> Option<CommandInfo> {
+        self.commands().await.into_iter().find(|c| c.id == id)
+    }
+
+    async fn signal(&self, id: &str, signal: i32) -> Result<(), AgentError> {
+        within("signal", self.0.signal(id, signal)).await
+    }
+
+    async fn forget(&self, id: &str) -> Result<(), AgentError> {
+        within("forget", self.0.forget(id)).await
+    }
+
+    /// A request sent as it is (one the host never makes, or one whose exact status is
+    /// checked); its status and body.
+    async fn raw(&self, method: Method, path: &str, body: Option<Value>) -> (StatusCode, Bytes) {
+        let body = body.map(|v| v.to_string()).unwrap_or_default();
+        let resp = within(
+            path,
+            self.0
+                .send_raw(method, path, Some("application/json"), body),
+        )
+        .await
+        .expect("response");
         let status = resp.status();
         let bytes = within("response body", resp.into_body().collect())
             .await
@@ -368,30 +352,8 @@ impl Conn {
         (status, bytes)
     }
 
-    async fn spawn(&mut self, req: Value) -> u32 {
-        let (status, body) = self.request(Method::POST, "/v1/commands", Some(req)).await;
-        assert_eq!(status, StatusCode::OK, "spawn: {body:?}");
-        let reply: SpawnReply = serde_json::from_slice(&body).expect("spawn reply");
-        reply.pid
-    }
-
-    async fn commands(&mut self) -> Vec<CommandInfo> {
-        let (status, body) = self.request(Method::GET, "/v1/commands", None).await;
-        assert_eq!(status, StatusCode::OK);
-        serde_json::from_slice(&body).expect("command list")
-    }
-
-    async fn command(&mut self, id: &str) -> Option<CommandInfo> {
-        self.commands().await.into_iter().find(|c| c.id == id)
-    }
-
     /// Polls the command list until `pred` holds for `id`.
-    async fn wait_for(
-        &mut self,
-        id: &str,
-        what: &str,
-        pred: impl Fn(Option<&CommandInfo>) -> bool,
-    ) {
+    async fn wait_for(&self, id: &str, what: &str, pred: impl Fn(Option<&CommandInfo>) -> bool) {
         let deadline = Instant::now() + WAIT;
         loop {
             let info = self.command(id).await;
@@ -406,44 +368,30 @@ impl Conn {
         }
     }
 
-    async fn try_attach(
-        &mut self,
-        id: &str,
-        stdout: u64,
-        stderr: u64,
-    ) -> Result<Attach, (StatusCode, Bytes)> {
-        let (tx, rx) = mpsc::channel(16);
-        let req = Request::builder()
-            .method(Method::POST)
-            .uri(format!(
-                "http://agent/v1/commands/{id}/attach?stdout={stdout}&stderr={stderr}"
-            ))
-            .body(ChannelBody(rx).boxed())
-            .expect("request");
-        within("send_request ready", self.send.ready())
-            .await
-            .expect("ready");
-        let resp = within("attach", self.send.send_request(req))
-            .await
-            .expect("attach response");
-        if resp.status() != StatusCode::OK {
-            let status = resp.status();
-            let body = resp.into_body().collect().await.expect("body").to_bytes();
-            return Err((status, body));
-        }
+    async fn try_attach(&self, id: &str, stdout: u64, stderr: u64) -> Result<Attach, AgentError> {
+        let inner = within("attach", self.0.attach(id, stdout, stderr)).await?;
         Ok(Attach {
-            tx: Some(tx),
-            body: resp.into_body(),
-            decoder: FrameDecoder::new(),
+            inner,
             cursor: [stdout, stderr],
         })
     }
 
-    async fn attach(&mut self, id: &str, stdout: u64, stderr: u64) -> Attach {
+    async fn attach(&self, id: &str, stdout: u64, stderr: u64) -> Attach {
         match self.try_attach(id, stdout, stderr).await {
             Ok(a) => a,
-            Err((status, body)) => panic!("attach {id}: {status} {body:?}"),
+            Err(e) => panic!("attach {id}: {e:?}"),
         }
+    }
+}
+
+/// Asserts that `r` is the agent's refusal with `status`; returns its message.
+#[track_caller]
+fn refused<T: std::fmt::Debug>(r: Result<T, AgentError>, status: StatusCode) -> String {
+    match r {
+        Err(AgentError::Refused {
+            status: s, message, ..
+        }) if s == status => message,
+        other => panic!("expected a refusal with {status}, got {other:?}"),
     }
 }
 
@@ -454,56 +402,44 @@ struct Output {
     exit: Option<ExitStatus>,
 }
 
+/// An attach stream, checked as it is read.
 struct Attach {
-    tx: Option<mpsc::Sender<Bytes>>,
-    body: Incoming,
-    decoder: FrameDecoder,
+    inner: space_agent_host::Attach,
     /// Next expected offset per stream: frames must be contiguous.
     cursor: [u64; 2],
 }
 
 impl Attach {
     async fn send(&self, f: Frame) {
-        let tx = self.tx.as_ref().expect("request body still open");
-        tx.send(f.to_bytes()).await.expect("send frame");
+        within("send frame", self.inner.send(f))
+            .await
+            .expect("send frame");
     }
 
     fn close_body(&mut self) {
-        self.tx = None;
+        self.inner.close_host_frames();
     }
 
-    /// The next frame, or `None` when the response ended.
+    /// The next frame, or `None` when the response ended (at a frame boundary: an end
+    /// inside a frame, like a malformed frame, is an error).
     async fn next(&mut self) -> Option<Frame> {
-        loop {
-            if let Some(f) = self.decoder.next_frame().expect("agent frame") {
-                match &f {
-                    Frame::Stdout { offset, data } => {
-                        assert_eq!(*offset, self.cursor[0], "stdout offsets are contiguous");
-                        assert!(data.len() <= MAX_DATA_CHUNK);
-                        self.cursor[0] += data.len() as u64;
-                    }
-                    Frame::Stderr { offset, data } => {
-                        assert_eq!(*offset, self.cursor[1], "stderr offsets are contiguous");
-                        assert!(data.len() <= MAX_DATA_CHUNK);
-                        self.cursor[1] += data.len() as u64;
-                    }
-                    _ => {}
-                }
-                return Some(f);
+        let f = within("attach frame", self.inner.next_frame())
+            .await
+            .expect("agent frame");
+        match &f {
+            Some(Frame::Stdout { offset, data }) => {
+                assert_eq!(*offset, self.cursor[0], "stdout offsets are contiguous");
+                assert!(data.len() <= MAX_DATA_CHUNK);
+                self.cursor[0] += data.len() as u64;
             }
-            match within("attach frame", self.body.frame()).await {
-                None => {
-                    assert_eq!(self.decoder.pending(), 0, "response ended inside a frame");
-                    return None;
-                }
-                Some(Err(e)) => panic!("attach body: {e}"),
-                Some(Ok(f)) => {
-                    if let Ok(d) = f.into_data() {
-                        self.decoder.push(&d);
-                    }
-                }
+            Some(Frame::Stderr { offset, data }) => {
+                assert_eq!(*offset, self.cursor[1], "stderr offsets are contiguous");
+                assert!(data.len() <= MAX_DATA_CHUNK);
+                self.cursor[1] += data.len() as u64;
             }
+            _ => {}
         }
+        f
     }
 
     /// Everything up to the end of the response; with `ack`, acknowledges as it goes.
@@ -552,19 +488,19 @@ fn on_pty(id: &str, argv: &[&str], rows: u16, cols: u16) -> Value {
 }
 
 /// Runs a shell script to its end and returns what it printed and how it ended.
-async fn run(conn: &mut Conn, id: &str, script: &str) -> Output {
+async fn run(conn: &Conn, id: &str, script: &str) -> Output {
     conn.spawn(sh(id, script)).await;
     conn.attach(id, 0, 0).await.collect(true).await
 }
 
 /// Whether `pid` (as the agent sees it) is a live process, asked from inside.
-async fn alive(conn: &mut Conn, id: &str, pid: u32) -> bool {
+async fn alive(conn: &Conn, id: &str, pid: u32) -> bool {
     let script = format!("grep -q '^State:[[:space:]]*[^Z]' /proc/{pid}/status");
     run(conn, id, &script).await.exit.and_then(|e| e.exit_code) == Some(0)
 }
 
 /// Whether `pid` is gone (and reaped) within a few seconds, asked from inside.
-async fn gone(conn: &mut Conn, id: &str, pid: u32) -> bool {
+async fn gone(conn: &Conn, id: &str, pid: u32) -> bool {
     let script = format!(
         "i=0; while [ -e /proc/{pid} ] && [ $i -lt 1000 ]; do sleep 0.01; i=$((i+1)); done; [ ! -e /proc/{pid} ]"
     );
@@ -605,15 +541,13 @@ fn text(out: &[u8]) -> String {
 #[tokio::test]
 async fn runs_a_command_and_reports_output_and_exit() {
     let host = Host::start();
-    let mut conn = host.accept().await;
+    let conn = host.accept().await;
     assert!(
         !host.token_file.exists(),
         "the agent deletes its token file"
     );
 
-    let (status, body) = conn.request(Method::GET, "/v1/info", None).await;
-    assert_eq!(status, StatusCode::OK);
-    let info: protocol::AgentInfo = serde_json::from_slice(&body).expect("info");
+    let info = within("info", conn.0.info()).await.expect("info");
     assert_eq!(info.protocol, PROTOCOL_VERSION);
     assert_eq!(info.commands, 0);
 
@@ -636,48 +570,83 @@ async fn runs_a_command_and_reports_output_and_exit() {
     assert_eq!(info.exit.as_ref().and_then(|e| e.exit_code), Some(3));
 
     // The same id again is a conflict; bad requests are refused with a JSON error.
-    let (status, _) = conn
-        .request(Method::POST, "/v1/commands", Some(sh("cmd_1", "true")))
-        .await;
-    assert_eq!(status, StatusCode::CONFLICT);
+    refused(
+        conn.try_spawn(sh("cmd_1", "true")).await,
+        StatusCode::CONFLICT,
+    );
+    let message = refused(
+        conn.try_spawn(json!({"id": "x", "argv": [], "env": []}))
+            .await,
+        StatusCode::BAD_REQUEST,
+    );
+    // The message out of the agent's error JSON (an answer that is not that JSON would
+    // show as its raw text).
+    assert_eq!(message, SpawnRequestError::EmptyArgv.to_string());
+    // Requests the host never makes.
     let (status, body) = conn
-        .request(
-            Method::POST,
-            "/v1/commands",
-            Some(json!({"id": "x", "argv": [], "env": []})),
-        )
-        .await;
-    assert_eq!(status, StatusCode::BAD_REQUEST);
-    let err: protocol::ErrorBody = serde_json::from_slice(&body).expect("error body");
-    assert!(!err.error.message.is_empty());
-    let (status, _) = conn
-        .request(
+        .raw(
             Method::POST,
             "/v1/commands",
             Some(json!({"nonsense": true})),
         )
         .await;
     assert_eq!(status, StatusCode::BAD_REQUEST);
-    let (status, _) = conn.request(Method::GET, "/v1/nowhere", None).await;
+    let err: space_agent_host::protocol::ErrorBody =
+        serde_json::from_slice(&body).expect("error body");
+    assert!(!err.error.message.is_empty());
+    let (status, _) = conn.raw(Method::GET, "/v1/nowhere", None).await;
     assert_eq!(status, StatusCode::NOT_FOUND);
-    let (status, _) = conn.request(Method::PUT, "/v1/commands", None).await;
+    let (status, _) = conn.raw(Method::PUT, "/v1/commands", None).await;
     assert_eq!(status, StatusCode::METHOD_NOT_ALLOWED);
     let (status, _) = conn
-        .request(Method::POST, "/v1/commands/nope/attach", None)
+        .raw(Method::POST, "/v1/commands/nope/attach", None)
         .await;
     assert_eq!(status, StatusCode::NOT_FOUND);
+    refused(
+        conn.try_attach("nope", 0, 0).await.map(drop),
+        StatusCode::NOT_FOUND,
+    );
 
     // Done (after the exit) makes the agent forget the command.
     a.send(Frame::Done).await;
     a.close_body();
     conn.wait_for("cmd_1", "the command to be forgotten", |c| c.is_none())
         .await;
+
+    // The exact statuses of successes, which the typed calls do not show.
+    let (status, _) = conn.raw(Method::GET, "/v1/info", None).await;
+    assert_eq!(status, StatusCode::OK);
+    let (status, body) = conn
+        .raw(Method::POST, "/v1/commands", Some(sh("cmd_2", "true")))
+        .await;
+    assert_eq!(status, StatusCode::OK, "{body:?}");
+    let (status, _) = conn.raw(Method::GET, "/v1/commands", None).await;
+    assert_eq!(status, StatusCode::OK);
+    let attach = within(
+        "attach",
+        conn.0.send_raw(
+            Method::POST,
+            "/v1/commands/cmd_2/attach?stdout=0&stderr=0",
+            None,
+            Bytes::new(),
+        ),
+    )
+    .await
+    .expect("attach");
+    assert_eq!(attach.status(), StatusCode::OK);
+    drop(attach);
+    conn.wait_for("cmd_2", "the command to exit", |c| {
+        c.is_some_and(|c| c.exit.is_some())
+    })
+    .await;
+    let (status, _) = conn.raw(Method::DELETE, "/v1/commands/cmd_2", None).await;
+    assert_eq!(status, StatusCode::NO_CONTENT);
 }
 
 #[tokio::test]
 async fn environment_user_and_directory() {
     let host = Host::start();
-    let mut conn = host.accept().await;
+    let conn = host.accept().await;
 
     conn.spawn(json!({"id": "env", "argv": ["env"], "env": [["A", "b"]]}))
         .await;
@@ -713,7 +682,7 @@ async fn environment_user_and_directory() {
 #[tokio::test]
 async fn secrets_over_env_and_no_way_into_the_agent() {
     let host = Host::start();
-    let mut conn = host.accept().await;
+    let conn = host.accept().await;
 
     // Secrets come after env: a name in both has the secret's value.
     conn.spawn(json!({
@@ -728,21 +697,19 @@ async fn secrets_over_env_and_no_way_into_the_agent() {
         String::from_utf8_lossy(&out.stdout),
         "A=from-secret\nB=b\nHOME=/root\nS=s\n"
     );
-    let (status, _) = conn
-        .request(
-            Method::POST,
-            "/v1/commands",
-            Some(json!({"id": "bad", "argv": ["true"], "env": [], "secrets": [["A=B", "x"]]})),
+    refused(
+        conn.try_spawn(
+            json!({"id": "bad", "argv": ["true"], "env": [], "secrets": [["A=B", "x"]]}),
         )
-        .await;
-    assert_eq!(status, StatusCode::BAD_REQUEST);
+        .await,
+        StatusCode::BAD_REQUEST,
+    );
 
     // SAFETY: plain syscall.
     if unsafe { libc::geteuid() } == 0 {
         // Root commands lack what reads another process's memory, and the agent is not
         // dumpable: its environment, memory and descriptors are closed to them.
-        let (_, body) = conn.request(Method::GET, "/v1/info", None).await;
-        let info: protocol::AgentInfo = serde_json::from_slice(&body).expect("info");
+        let info: AgentInfo = within("info", conn.0.info()).await.expect("info");
         let script = format!(
             "grep -E '^Cap(Bnd|Inh|Eff)' /proc/self/status; \
              cat /proc/{0}/environ >/dev/null 2>&1 && echo read-environ; \
@@ -752,7 +719,7 @@ async fn secrets_over_env_and_no_way_into_the_agent() {
              ls /proc/{0}/fd | grep -q . && echo listed-fds; true",
             info.pid
         );
-        let out = run(&mut conn, "caps", &script).await;
+        let out = run(&conn, "caps", &script).await;
         let text = String::from_utf8_lossy(&out.stdout).into_owned();
         let set = |name: &str| {
             let line = text.lines().find(|l| l.starts_with(name)).expect(name);
@@ -781,7 +748,7 @@ async fn secrets_over_env_and_no_way_into_the_agent() {
 #[tokio::test]
 async fn signals_supersede_and_delete() {
     let host = Host::start();
-    let mut conn = host.accept().await;
+    let conn = host.accept().await;
     let pid = conn
         .spawn(json!({"id": "sleeper", "argv": ["sleep", "30"], "env": []}))
         .await;
@@ -793,47 +760,25 @@ async fn signals_supersede_and_delete() {
     let out = first.collect(false).await;
     assert!(out.exit.is_none() && out.stdout.is_empty());
 
-    let (status, _) = conn
-        .request(Method::DELETE, "/v1/commands/sleeper", None)
-        .await;
-    assert_eq!(
-        status,
-        StatusCode::CONFLICT,
-        "running commands are not forgotten"
-    );
-    let signal = "/v1/commands/sleeper/signal";
-    let (status, _) = conn
-        .request(Method::POST, signal, Some(json!({"signal": 0})))
-        .await;
-    assert_eq!(status, StatusCode::BAD_REQUEST);
-    let (status, _) = conn
-        .request(Method::POST, signal, Some(json!({"signal": 9})))
-        .await;
-    assert!(status.is_success(), "{status}");
+    // Running commands are not forgotten.
+    refused(conn.forget("sleeper").await, StatusCode::CONFLICT);
+    refused(conn.signal("sleeper", 0).await, StatusCode::BAD_REQUEST);
+    conn.signal("sleeper", 9).await.expect("signal");
 
     let exit = second.collect(false).await.exit.expect("exit");
     assert_eq!(exit.signal, Some(9));
     assert_eq!(exit.exit_code, None);
     assert!(!exit.timed_out);
 
-    let (status, _) = conn
-        .request(Method::POST, signal, Some(json!({"signal": 9})))
-        .await;
-    assert_eq!(status, StatusCode::CONFLICT);
-    let (status, _) = conn
-        .request(Method::DELETE, "/v1/commands/sleeper", None)
-        .await;
-    assert_eq!(status, StatusCode::NO_CONTENT);
-    let (status, _) = conn
-        .request(Method::DELETE, "/v1/commands/sleeper", None)
-        .await;
-    assert_eq!(status, StatusCode::NOT_FOUND);
+    refused(conn.signal("sleeper", 9).await, StatusCode::CONFLICT);
+    conn.forget("sleeper").await.expect("forget");
+    refused(conn.forget("sleeper").await, StatusCode::NOT_FOUND);
 }
 
 #[tokio::test]
 async fn timeout_kills_the_process_group() {
     let host = Host::start();
-    let mut conn = host.accept().await;
+    let conn = host.accept().await;
     let mut req = sh("slow", "sleep 30");
     req["timeout_ms"] = json!(200);
     let started = Instant::now();
@@ -855,7 +800,7 @@ async fn timeout_kills_the_process_group() {
 #[tokio::test]
 async fn programs_that_cannot_start() {
     let host = Host::start();
-    let mut conn = host.accept().await;
+    let conn = host.accept().await;
 
     let pid = conn
         .spawn(json!({"id": "nf", "argv": ["no-such-program-xyz", "a"], "env": []}))
@@ -908,7 +853,7 @@ async fn programs_that_cannot_start() {
 #[tokio::test]
 async fn stdin_is_fed_from_frames() {
     let host = Host::start();
-    let mut conn = host.accept().await;
+    let conn = host.accept().await;
     conn.spawn(json!({"id": "cat", "argv": ["cat"], "env": [], "stdin": true}))
         .await;
     let mut a = conn.attach("cat", 0, 0).await;
@@ -924,7 +869,7 @@ async fn stdin_is_fed_from_frames() {
     conn.spawn(json!({"id": "bigcat", "argv": ["cat"], "env": [], "stdin": true}))
         .await;
     let mut a = conn.attach("bigcat", 0, 0).await;
-    let tx = a.tx.clone().expect("body open");
+    let tx = a.inner.host_frames().expect("body open");
     const TOTAL: usize = 6 << 20;
     let writer = tokio::spawn(async move {
         let mut sent = 0usize;
@@ -955,7 +900,7 @@ async fn stdin_is_fed_from_frames() {
 #[tokio::test]
 async fn unacknowledged_output_is_bounded_and_never_lost() {
     let host = Host::start();
-    let mut conn = host.accept().await;
+    let conn = host.accept().await;
     const TOTAL: u64 = 5_000_000;
     conn.spawn(
         json!({"id": "big", "argv": ["head", "-c", TOTAL.to_string(), "/dev/zero"], "env": []}),
@@ -995,7 +940,7 @@ async fn unacknowledged_output_is_bounded_and_never_lost() {
 #[tokio::test]
 async fn output_survives_a_reconnect() {
     let host = Host::start();
-    let mut conn = host.accept().await;
+    let conn = host.accept().await;
     let trigger = host.dir.0.join("go");
     let script = format!(
         "printf first; while [ ! -e {} ]; do sleep 0.01; done; printf second; printf third >&2",
@@ -1022,16 +967,16 @@ async fn output_survives_a_reconnect() {
     conn.drop_connection();
     std::fs::write(&trigger, b"").expect("trigger");
 
-    let mut conn = host.accept().await;
+    let conn = host.accept().await;
     conn.wait_for("resume", "the command to finish", |c| {
         c.is_some_and(|c| c.exit.is_some())
     })
     .await;
     for (so, se) in [(0, 0), (100, 0), (5, 9)] {
-        match conn.try_attach("resume", so, se).await {
-            Err((status, _)) => assert_eq!(status, StatusCode::RANGE_NOT_SATISFIABLE),
-            Ok(_) => panic!("attach at {so}/{se} must be refused"),
-        }
+        refused(
+            conn.try_attach("resume", so, se).await.map(drop),
+            StatusCode::RANGE_NOT_SATISFIABLE,
+        );
     }
     let out = conn.attach("resume", 5, 0).await.collect(false).await;
     assert_eq!(out.stdout, b"second");
@@ -1048,7 +993,7 @@ async fn output_survives_a_reconnect() {
 #[tokio::test]
 async fn background_children_do_not_hold_a_command_and_orphans_are_reaped() {
     let host = Host::start();
-    let mut conn = host.accept().await;
+    let conn = host.accept().await;
     conn.spawn(sh("bg", "sleep 30 & echo $!")).await;
     let started = Instant::now();
     let out = conn.attach("bg", 0, 0).await.collect(true).await;
@@ -1077,7 +1022,7 @@ async fn background_children_do_not_hold_a_command_and_orphans_are_reaped() {
 #[tokio::test]
 async fn commands_on_a_terminal() {
     let host = Host::start();
-    let mut conn = host.accept().await;
+    let conn = host.accept().await;
     let script = "tty; stty size; echo $TERM";
     conn.spawn(on_pty("tty", &["sh", "-c", script], 24, 80))
         .await;
@@ -1125,7 +1070,7 @@ async fn commands_on_a_terminal() {
 #[tokio::test]
 async fn a_terminal_is_resized() {
     let host = Host::start();
-    let mut conn = host.accept().await;
+    let conn = host.accept().await;
     let script = "trap 'stty size' WINCH; echo ready; while true; do sleep 0.1; done";
     conn.spawn(on_pty("winch", &["sh", "-c", script], 24, 80))
         .await;
@@ -1138,14 +1083,7 @@ async fn a_terminal_is_resized() {
     }))
     .await;
     a.read_until(&mut out, "40 100\r\n").await;
-    let (status, _) = conn
-        .request(
-            Method::POST,
-            "/v1/commands/winch/signal",
-            Some(json!({"signal": 9})),
-        )
-        .await;
-    assert!(status.is_success(), "{status}");
+    conn.signal("winch", 9).await.expect("signal");
     assert_eq!(a.collect(true).await.exit.and_then(|e| e.signal), Some(9));
 
     // Without a terminal a resize is ignored.
@@ -1163,7 +1101,7 @@ async fn a_terminal_is_resized() {
 #[tokio::test]
 async fn terminal_input_echo_eof_and_interrupt() {
     let host = Host::start();
-    let mut conn = host.accept().await;
+    let conn = host.accept().await;
     conn.spawn(on_pty("cat", &["cat"], 24, 80)).await;
     let mut a = conn.attach("cat", 0, 0).await;
     a.send(Frame::Stdin(Bytes::from_static(b"hello\n"))).await;
@@ -1186,7 +1124,7 @@ async fn terminal_input_echo_eof_and_interrupt() {
 #[tokio::test]
 async fn timeout_kills_processes_that_left_the_group() {
     let host = Host::start();
-    let mut conn = host.accept().await;
+    let conn = host.accept().await;
     let d = host.guest_dir.display();
     // One daemon in a new session under a live parent, and one double-forked
     // into a new session and re-parented to the agent.
@@ -1209,21 +1147,15 @@ async fn timeout_kills_processes_that_left_the_group() {
     assert_eq!(exit.signal, Some(9));
     for name in ["a", "b"] {
         let pid = read_pid(&host, name);
-        assert!(
-            gone(&mut conn, "check", pid).await,
-            "{name}: {pid} survived"
-        );
-        let (status, _) = conn
-            .request(Method::DELETE, "/v1/commands/check", None)
-            .await;
-        assert_eq!(status, StatusCode::NO_CONTENT);
+        assert!(gone(&conn, "check", pid).await, "{name}: {pid} survived");
+        conn.forget("check").await.expect("forget");
     }
 }
 
 #[tokio::test]
 async fn signals_reach_processes_that_left_the_group() {
     let host = Host::start();
-    let mut conn = host.accept().await;
+    let conn = host.accept().await;
     let d = host.guest_dir.display();
     for (id, sig) in [("kill", libc::SIGKILL), ("term", libc::SIGTERM)] {
         let script =
@@ -1231,45 +1163,38 @@ async fn signals_reach_processes_that_left_the_group() {
         conn.spawn(sh(id, &script)).await;
         let mut a = conn.attach(id, 0, 0).await;
         a.read_until(&mut Vec::new(), "ready\n").await;
-        let (status, _) = conn
-            .request(
-                Method::POST,
-                &format!("/v1/commands/{id}/signal"),
-                Some(json!({ "signal": sig })),
-            )
-            .await;
-        assert!(status.is_success(), "{status}");
+        conn.signal(id, sig).await.expect("signal");
         let exit = a.collect(true).await.exit.expect("exit");
         assert_eq!(exit.signal, Some(sig), "{exit:?}");
         assert!(!exit.timed_out);
         let pid = read_pid(&host, id);
         let check = format!("check-{id}");
-        assert!(gone(&mut conn, &check, pid).await, "{id}: {pid} survived");
+        assert!(gone(&conn, &check, pid).await, "{id}: {pid} survived");
     }
 }
 
 #[tokio::test]
 async fn a_command_that_exits_leaves_its_daemons_running() {
     let host = Host::start();
-    let mut conn = host.accept().await;
-    let out = run(&mut conn, "bg", "setsid sleep 300 & echo $!").await;
+    let conn = host.accept().await;
+    let out = run(&conn, "bg", "setsid sleep 300 & echo $!").await;
     assert_eq!(out.exit.and_then(|e| e.exit_code), Some(0));
     let pid: u32 = String::from_utf8_lossy(&out.stdout)
         .trim()
         .parse()
         .expect("daemon pid");
-    assert!(alive(&mut conn, "alive", pid).await, "{pid} was killed");
-    let out = run(&mut conn, "kill", &format!("kill -9 {pid}")).await;
+    assert!(alive(&conn, "alive", pid).await, "{pid} was killed");
+    let out = run(&conn, "kill", &format!("kill -9 {pid}")).await;
     assert_eq!(out.exit.and_then(|e| e.exit_code), Some(0));
-    assert!(gone(&mut conn, "gone", pid).await, "{pid} survived");
+    assert!(gone(&conn, "gone", pid).await, "{pid} survived");
 }
 
 #[tokio::test]
 async fn a_host_that_never_speaks_http2_is_dropped() {
     // It answers the hello and then says nothing more.
     let host = Host::start();
-    let mut silent = host.accept_raw().await;
-    let mut conn = host.accept().await;
+    let (mut silent, _) = host.accept_hello().await;
+    let conn = host.accept().await;
     let mut sink = Vec::new();
     within(
         "the silent connection to close",
@@ -1277,7 +1202,7 @@ async fn a_host_that_never_speaks_http2_is_dropped() {
     )
     .await
     .expect("read");
-    let out = run(&mut conn, "after", "echo still-here").await;
+    let out = run(&conn, "after", "echo still-here").await;
     assert_eq!(out.stdout, b"still-here\n");
 }
 
@@ -1286,8 +1211,8 @@ async fn a_host_that_stops_answering_is_dropped_and_the_agent_dials_again() {
     // A host that vanished without the hangup reaching the agent looks like this:
     // the connection stays open and nothing answers, not even HTTP/2 pings.
     let host = Host::start();
-    let agent_side = host.accept_raw().await;
-    let (near, far) = tokio::net::UnixStream::pair().expect("pair");
+    let (agent_side, hello) = host.accept_hello().await;
+    let (near, far) = UnixStream::pair().expect("pair");
     let (freeze, frozen) = tokio::sync::oneshot::channel::<()>();
     let proxy = tokio::spawn(async move {
         let (mut a, mut b) = (agent_side, far);
@@ -1297,21 +1222,18 @@ async fn a_host_that_stops_answering_is_dropped_and_the_agent_dials_again() {
         }
         a
     });
-    let (send, h2) =
-        hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(near))
+    let first = Conn(
+        AgentConn::start(near, SANDBOX, &hello.agent_version)
             .await
-            .expect("h2 handshake");
-    let task = tokio::spawn(async move {
-        let _ = h2.await;
-    });
-    let mut first = Conn { send, task };
-    let out = run(&mut first, "before", "echo hello").await;
+            .expect("h2 handshake"),
+    );
+    let out = run(&first, "before", "echo hello").await;
     assert_eq!(out.stdout, b"hello\n");
 
     // Freeze: the agent's end stays open, nothing reads or writes it.
     freeze.send(()).expect("freeze");
     let mut silent = proxy.await.expect("proxy");
-    let mut conn = host.accept().await;
+    let conn = host.accept().await;
     let mut sink = Vec::new();
     within(
         "the frozen connection to close",
@@ -1319,6 +1241,6 @@ async fn a_host_that_stops_answering_is_dropped_and_the_agent_dials_again() {
     )
     .await
     .expect("read");
-    let out = run(&mut conn, "after", "echo still-here").await;
+    let out = run(&conn, "after", "echo still-here").await;
     assert_eq!(out.stdout, b"still-here\n");
 }

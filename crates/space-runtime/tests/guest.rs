@@ -1,36 +1,22 @@
 //! Boots the real microVM guest (scripts/build-guest.sh) under QEMU with TCG, as the microVM
 //! driver does: the busybox template as an ext4 image under a larger qcow2 overlay, the
 //! static agent appended to the initramfs, the agent's virtio-serial port connected to a Unix
-//! socket this test listens on. Then it plays the host: handshake, HTTP/2, one command, a
-//! dropped connection the agent must come back from, and a kill that must leave nothing.
+//! socket this test listens on. Then it plays the host with the host's end of the protocol
+//! (`space_agent_host`): handshake, HTTP/2, one command, a dropped connection the agent must
+//! come back from, and a kill that must leave nothing.
 //!
 //! Skipped (with the reason printed) only when the guest files are not built.
 
-use std::convert::Infallible;
 use std::path::{Path, PathBuf};
-use std::pin::Pin;
 use std::process::{Child, Command, Stdio};
-use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
-use http::{Method, Request, StatusCode};
-use http_body_util::combinators::BoxBody;
-use http_body_util::{BodyExt, Full};
-use hyper::client::conn::http2::SendRequest;
-use hyper_util::rt::{TokioExecutor, TokioIo};
-use serde_json::{json, Value};
-use space_agent::protocol::{
-    self, ExitStatus, Frame, FrameDecoder, Hello, HelloReply, SpawnReply, PROTOCOL_VERSION,
-};
+use space_agent::protocol::{ExitStatus, Frame, SpawnRequest, PROTOCOL_VERSION};
+use space_agent_host::testing::{self, AcceptError};
+use space_agent_host::{AgentConn, HandshakeError};
 use space_runtime::guest::{self, GuestFiles};
 use space_runtime::template::TemplateStore;
-use tokio::io::AsyncWriteExt;
-use tokio::net::{UnixListener, UnixStream};
-use tokio::sync::mpsc;
-use tokio::task::JoinHandle;
-
-type Body = BoxBody<Bytes, Infallible>;
+use tokio::net::UnixListener;
 
 const SANDBOX: &str = "sb_guesttest";
 /// Boot under TCG takes ~5 s here; a loaded machine gets a generous margin.
@@ -119,28 +105,6 @@ fn run_tool(cmd: &mut Command) {
     );
 }
 
-/// A request body fed frame by frame.
-struct ChannelBody(mpsc::Receiver<Bytes>);
-
-impl http_body::Body for ChannelBody {
-    type Data = Bytes;
-    type Error = Infallible;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<http_body::Frame<Bytes>, Infallible>>> {
-        self.0
-            .poll_recv(cx)
-            .map(|o| o.map(|b| Ok(http_body::Frame::data(b))))
-    }
-}
-
-struct Conn {
-    send: SendRequest<Body>,
-    task: JoinHandle<()>,
-}
-
 #[derive(Debug, Default)]
 struct Output {
     stdout: Vec<u8>,
@@ -148,120 +112,67 @@ struct Output {
     exit: Option<ExitStatus>,
 }
 
-impl Conn {
-    async fn request(&mut self, method: Method, path: &str, body: Value) -> (StatusCode, Bytes) {
-        let req = Request::builder()
-            .method(method)
-            .uri(format!("http://agent{path}"))
-            .header("content-type", "application/json")
-            .body(Full::new(Bytes::from(body.to_string())).boxed())
-            .expect("request");
-        within("ready", WAIT, self.send.ready())
-            .await
-            .expect("ready");
-        let resp = within(path, WAIT, self.send.send_request(req))
-            .await
-            .expect("response");
-        let status = resp.status();
-        let bytes = within("body", WAIT, resp.into_body().collect())
-            .await
-            .expect("body")
-            .to_bytes();
-        (status, bytes)
-    }
-
-    /// Runs a shell script in the guest to its end.
-    async fn run(&mut self, id: &str, script: &str) -> Output {
-        let spawn = json!({"id": id, "argv": ["sh", "-c", script], "env": [["PATH", "/usr/bin:/bin:/usr/sbin:/sbin"]]});
-        let (status, body) = self.request(Method::POST, "/v1/commands", spawn).await;
-        assert_eq!(status, StatusCode::OK, "spawn: {body:?}");
-        let _: SpawnReply = serde_json::from_slice(&body).expect("spawn reply");
-
-        let (tx, rx) = mpsc::channel(16);
-        let req = Request::builder()
-            .method(Method::POST)
-            .uri(format!(
-                "http://agent/v1/commands/{id}/attach?stdout=0&stderr=0"
-            ))
-            .body(ChannelBody(rx).boxed())
-            .expect("request");
-        within("ready", WAIT, self.send.ready())
-            .await
-            .expect("ready");
-        let resp = within("attach", WAIT, self.send.send_request(req))
-            .await
-            .expect("attach");
-        assert_eq!(resp.status(), StatusCode::OK);
-        let mut body = resp.into_body();
-        let mut decoder = FrameDecoder::new();
-        let mut out = Output::default();
-        loop {
-            while let Some(f) = decoder.next_frame().expect("agent frame") {
-                match f {
-                    Frame::Stdout { data, .. } => out.stdout.extend_from_slice(&data),
-                    Frame::Stderr { data, .. } => out.stderr.extend_from_slice(&data),
-                    Frame::Exit(e) => out.exit = Some(e),
-                    other => panic!("unexpected frame {other:?}"),
-                }
-                let ack = Frame::Ack {
-                    stdout: out.stdout.len() as u64,
-                    stderr: out.stderr.len() as u64,
-                };
-                let _ = tx.send(ack.to_bytes()).await;
-            }
-            match within("attach frame", WAIT, body.frame()).await {
-                None => break,
-                Some(Err(e)) => panic!("attach body: {e}"),
-                Some(Ok(f)) => {
-                    if let Ok(d) = f.into_data() {
-                        decoder.push(&d);
-                    }
-                }
-            }
+/// Runs a shell script in the guest to its end.
+async fn run(conn: &AgentConn, id: &str, script: &str) -> Output {
+    let spawn = SpawnRequest {
+        id: id.into(),
+        argv: vec!["sh".into(), "-c".into(), script.into()],
+        env: vec![("PATH".into(), "/usr/bin:/bin:/usr/sbin:/sbin".into())],
+        secrets: Vec::new(),
+        cwd: None,
+        user: None,
+        timeout_ms: None,
+        stdin: false,
+        pty: None,
+    };
+    within("spawn", WAIT, conn.spawn(&spawn))
+        .await
+        .expect("spawn");
+    let mut attach = within("attach", WAIT, conn.attach(id, 0, 0))
+        .await
+        .expect("attach");
+    let mut out = Output::default();
+    while let Some(f) = within("attach frame", WAIT, attach.next_frame())
+        .await
+        .expect("agent frame")
+    {
+        match f {
+            Frame::Stdout { data, .. } => out.stdout.extend_from_slice(&data),
+            Frame::Stderr { data, .. } => out.stderr.extend_from_slice(&data),
+            Frame::Exit(e) => out.exit = Some(e),
+            other => panic!("unexpected frame {other:?}"),
         }
-        let _ = tx.send(Frame::Done.to_bytes()).await;
-        out
+        let ack = Frame::Ack {
+            stdout: out.stdout.len() as u64,
+            stderr: out.stderr.len() as u64,
+        };
+        let _ = attach.send(ack).await;
     }
+    let _ = attach.send(Frame::Done).await;
+    out
 }
 
-/// Accepts the agent's next connection, checks its hello, accepts it and starts HTTP/2.
-async fn accept(listener: &UnixListener, token: &str, limit: Duration) -> Conn {
-    let (mut stream, _): (UnixStream, _) = within("the agent to connect", limit, async {
+/// Accepts the agent's next connection as the server does, and checks its hello.
+async fn accept(listener: &UnixListener, token: &str, limit: Duration) -> AgentConn {
+    within("the agent to connect", limit, async {
         loop {
-            // QEMU connects before the guest has booted; the hello comes once the agent runs.
-            let (mut s, a) = listener.accept().await.expect("accept");
-            match protocol::read_handshake_line(&mut s).await {
-                Ok(line) => {
-                    let hello: Hello = serde_json::from_slice(&line).expect("hello json");
+            match testing::accept(listener, SANDBOX, token).await {
+                Ok((conn, hello)) => {
                     assert_eq!(hello.protocol, PROTOCOL_VERSION);
                     assert_eq!(hello.sandbox_id, SANDBOX);
                     assert_eq!(hello.token, token);
-                    return (s, a);
+                    return conn;
                 }
-                // A connection QEMU gave up on (it reconnects): take the next one.
-                Err(e) => eprintln!("connection ended before a hello: {e}"),
+                // QEMU connects before the guest has booted; the hello comes once the
+                // agent runs. A connection QEMU gave up on (it reconnects): take the next.
+                Err(AcceptError::Handshake(HandshakeError::Read(e))) => {
+                    eprintln!("connection ended before a hello: {e}")
+                }
+                Err(e) => panic!("accepting the agent: {e:?}"),
             }
         }
     })
-    .await;
-    let reply = HelloReply {
-        ok: true,
-        protocol: PROTOCOL_VERSION,
-        error: None,
-    };
-    let mut line = serde_json::to_vec(&reply).expect("json");
-    line.push(b'\n');
-    stream.write_all(&line).await.expect("write reply");
-    let (send, conn) =
-        hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(stream))
-            .await
-            .expect("h2 handshake");
-    let task = tokio::spawn(async move {
-        if let Err(e) = conn.await {
-            eprintln!("host side of the agent connection ended: {e:?}");
-        }
-    });
-    Conn { send, task }
+    .await
 }
 
 fn text(b: &[u8]) -> String {
@@ -367,7 +278,7 @@ async fn guest_boots_the_agent_grows_the_disk_and_survives_a_reconnect() {
     let qemu_pid = vm.0.id();
 
     let console_text = || std::fs::read_to_string(&console).unwrap_or_default();
-    let mut conn = tokio::select! {
+    let conn = tokio::select! {
         c = accept(&listener, &token, BOOT_WAIT) => c,
         _ = async {
             while let Ok(None) = vm.0.try_wait() {
@@ -382,16 +293,16 @@ async fn guest_boots_the_agent_grows_the_disk_and_survives_a_reconnect() {
         files.version
     );
 
-    let out = conn
-        .run(
-            "cmd_1",
-            "df -k / | tail -n 1; tr '\\0' ' ' </proc/1/cmdline; echo; \
+    let out = run(
+        &conn,
+        "cmd_1",
+        "df -k / | tail -n 1; tr '\\0' ' ' </proc/1/cmdline; echo; \
              test ! -e /.space/run/token && echo token-gone; \
              mount | awk '{print $3}' | grep -x -E '/(proc|sys|dev|dev/pts|dev/shm|[.]space/bin)' \
                | sort -u | wc -l; \
              readlink /dev/virtio-ports/space.agent; hostname",
-        )
-        .await;
+    )
+    .await;
     let stdout = text(&out.stdout);
     assert_eq!(
         out.exit.as_ref().and_then(|e| e.exit_code),
@@ -425,43 +336,34 @@ async fn guest_boots_the_agent_grows_the_disk_and_survives_a_reconnect() {
 
     // A host that vanishes: the agent must notice and greet the next connection.
     let dropped = Instant::now();
-    conn.task.abort();
+    conn.close();
     drop(conn);
-    let mut conn = accept(&listener, &token, WAIT).await;
+    let conn = accept(&listener, &token, WAIT).await;
     println!(
         "reconnected {:.2} s after the host dropped its connection",
         dropped.elapsed().as_secs_f64()
     );
-    let out = conn.run("cmd_2", "echo again").await;
+    let out = run(&conn, "cmd_2", "echo again").await;
     assert_eq!(text(&out.stdout), "again\n");
 
     // An agent that drops the connection itself (quiesce, a keepalive timeout): QEMU keeps
     // the host's socket open, so the agent's next hello arrives on the old connection, where
     // HTTP/2 fails; the host drops it, QEMU connects again and the agent greets that.
     let quiesced = Instant::now();
-    let req = Request::builder()
-        .method(Method::POST)
-        .uri("http://agent/v1/quiesce")
-        .body(Full::new(Bytes::new()).boxed())
-        .expect("request");
-    within("ready", WAIT, conn.send.ready())
-        .await
-        .expect("ready");
-    let _ = within("quiesce", WAIT, conn.send.send_request(req)).await;
-    within("the old connection to fail", WAIT, &mut conn.task)
-        .await
-        .expect("connection task");
+    // The connection may end before the answer comes.
+    let _ = within("quiesce", WAIT, conn.quiesce()).await;
+    within("the old connection to fail", WAIT, conn.closed()).await;
     drop(conn);
-    let mut conn = accept(&listener, &token, WAIT).await;
+    let conn = accept(&listener, &token, WAIT).await;
     println!(
         "after the agent dropped the connection, a new one {:.2} s later",
         quiesced.elapsed().as_secs_f64()
     );
-    let out = conn.run("cmd_3", "echo back").await;
+    let out = run(&conn, "cmd_3", "echo back").await;
     assert_eq!(text(&out.stdout), "back\n");
 
     // Killing QEMU leaves nothing behind.
-    conn.task.abort();
+    conn.close();
     drop(conn);
     drop(vm);
     assert!(!process_exists(qemu_pid), "QEMU {qemu_pid} is still there");
