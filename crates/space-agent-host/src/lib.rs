@@ -30,4 +30,6 @@ pub use listen::{
     handshake, listen, wait_connected, wait_reconnected, HandshakeError, HANDSHAKE_TIMEOUT,
     MAX_HANDSHAKES,
 };
+/// The protocol as this crate sees it: the agent's own tests reach it through here, since
+/// their dev-dependency on this crate links a second copy of `space_agent`.
 pub use space_agent::protocol;
