@@ -98,6 +98,9 @@ fn too_many(max: usize) -> Bytes {
     ))
 }
 
+/// Refused connections closed gracefully at once (the others are closed outright).
+const REFUSALS_IN_FLIGHT: usize = 4;
+
 /// How long a shutdown waits for requests in flight.
 const DRAIN: Duration = Duration::from_secs(5);
 
@@ -111,6 +114,7 @@ pub async fn serve(
 ) {
     let per_ip = Arc::new(PerIp::default());
     let refusal = too_many(bounds.max_connections_per_ip);
+    let refusing = Arc::new(tokio::sync::Semaphore::new(REFUSALS_IN_FLIGHT));
     let tracker = tokio_util::task::TaskTracker::new();
     let mut builder = hyper::server::conn::http1::Builder::new();
     builder
@@ -133,13 +137,27 @@ pub async fn serve(
         };
         let _ = stream.set_nodelay(true);
         let Some(held) = PerIp::hold(&per_ip, peer.ip(), bounds.max_connections_per_ip) else {
-            let refusal = refusal.clone();
-            tokio::spawn(async move {
-                let mut stream = stream;
-                let _ =
-                    tokio::time::timeout(Duration::from_secs(2), stream.write_all(&refusal)).await;
-                let _ = stream.shutdown().await;
-            });
+            // Refusals hold descriptors too: a few at a time get a graceful close, the
+            // rest the answer written at once (it fits in the socket's buffer) and an
+            // immediate close, so a flood never holds more than the cap plus these.
+            match refusing.clone().try_acquire_owned() {
+                Ok(slot) => {
+                    let refusal = refusal.clone();
+                    tokio::spawn(async move {
+                        let _slot = slot;
+                        let mut stream = stream;
+                        let _ = tokio::time::timeout(
+                            Duration::from_secs(2),
+                            stream.write_all(&refusal),
+                        )
+                        .await;
+                        let _ = stream.shutdown().await;
+                    });
+                }
+                Err(_) => {
+                    let _ = stream.try_write(&refusal);
+                }
+            }
             continue;
         };
         let app = app.clone();
