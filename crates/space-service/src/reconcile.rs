@@ -238,9 +238,15 @@ impl Service {
             self.start_listener(&handle, rec)?;
             self.spawn_monitor(&handle);
             // A server that died between a quiesce and its checkpoint left the agent holding.
+            // The wake holds the lifecycle lock: a suspend asked for meanwhile quiesces the
+            // agent only after it, so the wake cannot end that quiesce's hold and have the
+            // agent dial in while it is checkpointed.
             if rec.sandbox.state == SandboxState::Running {
-                let (svc, id) = (self.clone(), rec.sandbox.id.clone());
-                tokio::spawn(async move { svc.wake_agent(&id).await });
+                let (svc, handle) = (self.clone(), handle.clone());
+                tokio::spawn(async move {
+                    let _lifecycle = handle.lifecycle.lock().await;
+                    svc.wake_agent(&handle.id).await
+                });
             }
             tracing::info!(sandbox = %rec.sandbox.id, "re-adopting sandbox; waiting for its agent");
         }

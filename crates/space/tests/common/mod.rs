@@ -129,10 +129,22 @@ impl TestServer {
     }
 
     /// Waits until the server process exits by itself (a failpoint killed it).
+    /// Waits for the server to die by itself (a failpoint); panics after five minutes.
     pub fn wait_exit(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let status = c.wait().expect("wait for the server");
-            assert!(!status.success(), "the server exited cleanly: {status}");
+        let Some(mut c) = self.child.take() else {
+            return;
+        };
+        let started = std::time::Instant::now();
+        loop {
+            if let Some(status) = c.try_wait().expect("wait for the server") {
+                assert!(!status.success(), "the server exited cleanly: {status}");
+                return;
+            }
+            if started.elapsed() > Duration::from_secs(300) {
+                self.child = Some(c);
+                panic!("the server did not exit within 5 minutes\n{}", self.log());
+            }
+            std::thread::sleep(Duration::from_millis(50));
         }
     }
 
