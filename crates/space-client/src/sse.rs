@@ -133,9 +133,37 @@ impl SseParser {
 /// Server-sent events decoded into [`Event`]s.
 pub(crate) struct EventDecoder(pub SseParser);
 
+/// An event whose `id:` or `event:` line says something else than its data: resuming
+/// from the id a caller saw would skip or repeat events.
+#[derive(Debug, thiserror::Error)]
+#[error("the event's {field} line says {line:?}, its data {data:?}")]
+struct FieldMismatch {
+    field: &'static str,
+    line: String,
+    data: String,
+}
+
 impl EventDecoder {
     fn typed(ev: SseEvent) -> Result<Event, ClientError> {
-        serde_json::from_str(&ev.data).map_err(|e| ClientError::decode("event", e))
+        let typed: Event =
+            serde_json::from_str(&ev.data).map_err(|e| ClientError::decode("event", e))?;
+        let mismatch = |field, line: &str, data: String| {
+            let line = line.chars().take(32).collect();
+            ClientError::decode("event", FieldMismatch { field, line, data })
+        };
+        match ev.id.as_deref() {
+            Some(id) if id != typed.id.to_string() => {
+                return Err(mismatch("id", id, typed.id.to_string()))
+            }
+            _ => {}
+        }
+        match ev.event.as_deref() {
+            Some(kind) if kind != typed.kind => {
+                return Err(mismatch("event", kind, typed.kind.clone()))
+            }
+            _ => {}
+        }
+        Ok(typed)
     }
 }
 
@@ -257,5 +285,50 @@ data: {"id":5,"type":"sandbox","created_at":"2024-01-01T00:00:00Z","object":{"id
             .unwrap_err()
             .to_string()
             .starts_with("unreadable event"));
+    }
+
+    fn typed(input: String) -> Vec<Result<Event, String>> {
+        let body = futures::stream::iter(vec![Ok(bytes::Bytes::from(input))]).boxed();
+        futures::executor::block_on(
+            crate::stream::decoded(body, EventDecoder(SseParser::new()))
+                .map(|r| r.map_err(|e| format!("{e}: {}", std::error::Error::source(&e).unwrap())))
+                .collect(),
+        )
+    }
+
+    const DATA_5: &str =
+        r#"{"id":5,"type":"sandbox","created_at":"2024-01-01T00:00:00Z","object":{}}"#;
+
+    #[test]
+    fn id_and_event_lines_must_agree_with_the_data() {
+        // Without the lines, or with lines that agree, the event is read.
+        for input in [
+            format!("data: {DATA_5}\n\n"),
+            format!("id: 5\nevent: sandbox\ndata: {DATA_5}\n\n"),
+        ] {
+            let got = typed(input);
+            assert_eq!(got.len(), 1);
+            assert_eq!(got[0].as_ref().unwrap().id, 5);
+        }
+        for (input, want) in [
+            (
+                format!("id: 6\nevent: sandbox\ndata: {DATA_5}\n\n"),
+                r#"the event's id line says "6", its data "5""#,
+            ),
+            (
+                format!("id: 5\nevent: operation\ndata: {DATA_5}\n\n"),
+                r#"the event's event line says "operation", its data "sandbox""#,
+            ),
+            // An id line carries over to the next event (the format's last event ID):
+            // an event without its own is checked against the one before.
+            (
+                format!("id: 4\ndata: {}\n\ndata: {DATA_5}\n\n", DATA_5.replace(":5", ":4")),
+                r#"the event's id line says "4", its data "5""#,
+            ),
+        ] {
+            let got = typed(input);
+            let err = got.last().unwrap().as_ref().unwrap_err();
+            assert_eq!(err, &format!("unreadable event: {want}"), "{got:?}");
+        }
     }
 }

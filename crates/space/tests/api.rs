@@ -7,6 +7,8 @@ use std::path::Path;
 
 use common::{decode, TestServer, TOKEN};
 use serde_json::{json, Value};
+use space_client::api::{CommandState, ErrorCode};
+use space_client::{OutputQuery, OutputView, StdStream};
 
 #[tokio::test]
 async fn python_on_debian_prints_42() {
@@ -189,40 +191,50 @@ async fn a_mebibyte_of_stdout_arrives_complete_and_replays_from_any_offset() {
     assert_eq!(cmd["stdout"].as_str().unwrap().as_bytes(), &expected[..]);
     let cid = cmd["id"].as_str().unwrap();
 
-    let (chunks, end) = s.output(&sb, cid, "stream=stdout").await;
+    let stdout = OutputQuery {
+        view: OutputView::Stdout,
+        ..Default::default()
+    };
+    let (chunks, end) = s.output(&sb, cid, stdout).await;
     assert_eq!(decode(&chunks, None), expected);
-    assert_eq!(end.unwrap()["result"]["exit_code"], 0);
+    assert_eq!(end.unwrap().exit_code(), Some(0));
 
     for offset in [0usize, 1, 65_535, 65_536, 777_777, (1 << 20) - 1, 1 << 20] {
-        let (chunks, _) = s
-            .output(&sb, cid, &format!("stream=stdout&offset={offset}"))
-            .await;
+        let q = OutputQuery {
+            offset: offset as u64,
+            ..stdout
+        };
+        let (chunks, _) = s.output(&sb, cid, q).await;
         assert_eq!(
             decode(&chunks, None),
             &expected[offset..],
             "offset {offset}"
         );
         if let Some(first) = chunks.first() {
-            assert_eq!(first["offset"], offset);
+            assert_eq!(first.offset, offset as u64);
         }
     }
 
     // The combined view: both streams interleaved in the order the agent read them
     // (two pipes: that order is not the order the shell wrote in), each stream intact,
     // and any offset into it replays exactly.
-    let (chunks, _) = s.output(&sb, cid, "").await;
-    assert_eq!(decode(&chunks, Some("stdout")), expected);
-    assert_eq!(decode(&chunks, Some("stderr")), b"done\n");
+    let (chunks, _) = s.output(&sb, cid, OutputQuery::default()).await;
+    assert_eq!(decode(&chunks, Some(StdStream::Stdout)), expected);
+    assert_eq!(decode(&chunks, Some(StdStream::Stderr)), b"done\n");
     let all = decode(&chunks, None);
     assert_eq!(all.len(), expected.len() + 5);
     let err_at = chunks
         .iter()
-        .find(|c| c["stream"] == "stderr")
-        .and_then(|c| c["offset"].as_u64())
+        .find(|c| c.stream == StdStream::Stderr)
+        .map(|c| c.offset)
         .unwrap() as usize;
-    let (chunks, _) = s.output(&sb, cid, &format!("offset={}", err_at + 2)).await;
+    let q = OutputQuery {
+        offset: err_at as u64 + 2,
+        ..Default::default()
+    };
+    let (chunks, _) = s.output(&sb, cid, q).await;
     assert_eq!(decode(&chunks, None), &all[err_at + 2..]);
-    assert_eq!(decode(&chunks, Some("stderr")), b"ne\n");
+    assert_eq!(decode(&chunks, Some(StdStream::Stderr)), b"ne\n");
     s.destroy(&sb).await;
 }
 
@@ -238,14 +250,18 @@ async fn output_streams_live_with_follow() {
         .await;
     assert_eq!(st, 201);
     let cid = cmd["id"].as_str().unwrap();
-    let (chunks, end) = s.output(&sb, cid, "follow=true").await;
+    let follow = OutputQuery {
+        follow: true,
+        ..Default::default()
+    };
+    let (chunks, end) = s.output(&sb, cid, follow).await;
     assert_eq!(
-        String::from_utf8(decode(&chunks, Some("stdout"))).unwrap(),
+        String::from_utf8(decode(&chunks, Some(StdStream::Stdout))).unwrap(),
         "line 1\nline 2\nline 3\nline 4\nline 5\n"
     );
     let end = end.expect("a result line");
-    assert_eq!(end["result"]["exit_code"], 4);
-    assert_eq!(end["state"], "exited");
+    assert_eq!(end.exit_code(), Some(4));
+    assert_eq!(end.state, CommandState::Exited);
     s.destroy(&sb).await;
 }
 
@@ -274,18 +290,10 @@ async fn bad_input_gets_a_clear_error_and_changes_nothing() {
     let s = TestServer::start().await;
     let sb = s.create("busybox").await;
     let count = |s: &TestServer| {
-        let s = s.url.clone();
+        let c = s.client().clone();
         async move {
-            let v: Value = reqwest::Client::new()
-                .get(format!("{s}/v1/sandboxes"))
-                .bearer_auth(TOKEN)
-                .send()
-                .await
-                .unwrap()
-                .json()
-                .await
-                .unwrap();
-            v["sandboxes"].as_array().unwrap().len()
+            let all = std::iter::empty::<(&str, &str)>();
+            c.list_sandboxes(all).await.unwrap().len()
         }
     };
     let before = count(&s).await;
@@ -333,9 +341,9 @@ async fn bad_input_gets_a_clear_error_and_changes_nothing() {
         (0..40).map(|_| Ok::<_, std::io::Error>(bytes::Bytes::from(vec![b' '; 64 * 1024]))),
     );
     // A client of its own: the server closes this connection after the 413.
-    let resp = reqwest::Client::new()
-        .post(format!("{}/v1/sandboxes", s.url))
-        .bearer_auth(TOKEN)
+    let resp = s
+        .client_as(TOKEN)
+        .request(reqwest::Method::POST, "/v1/sandboxes")
         .header("content-type", "application/json")
         .body(reqwest::Body::wrap_stream(big))
         .send()
@@ -345,16 +353,20 @@ async fn bad_input_gets_a_clear_error_and_changes_nothing() {
     }
 
     // Wrong or missing token.
-    for auth in [Some("Bearer wrong"), None] {
-        let mut rb = s.http.get(format!("{}/v1/sandboxes", s.url));
-        if let Some(a) = auth {
-            rb = rb.header("authorization", a);
-        }
-        let resp = rb.send().await.unwrap();
-        assert_eq!(resp.status().as_u16(), 401);
-        let v: Value = resp.json().await.unwrap();
-        assert_eq!(v["error"]["code"], "unauthorized");
-    }
+    let all = std::iter::empty::<(&str, &str)>();
+    let e = s.client_as("wrong").list_sandboxes(all).await.unwrap_err();
+    assert_eq!(e.status(), Some(401), "{e}");
+    assert_eq!(e.api_error().map(|a| a.code), Some(ErrorCode::Unauthorized));
+    let resp = s
+        .client()
+        .http()
+        .get(format!("{}/v1/sandboxes", s.url))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 401);
+    let v: Value = resp.json().await.unwrap();
+    assert_eq!(v["error"]["code"], "unauthorized");
 
     // Unknown sandbox, operation and command.
     let (st, v) = s.get("/v1/sandboxes/sb_aaaaaaaaaaaaaaaaaaaa").await;

@@ -5,10 +5,11 @@ mod common;
 
 use std::time::Duration;
 
-use common::{decode, TestServer, TOKEN};
+use common::{decode, TestServer};
 use futures::{SinkExt, StreamExt};
 use serde_json::{json, Value};
-use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+use space_client::api::{CommandState, CreateCommandRequest};
+use space_client::{AttachSocket, OutputQuery, OutputView, StdStream};
 use tokio_tungstenite::tungstenite::Message;
 
 async fn start(s: &TestServer, sb: &str, body: Value) -> String {
@@ -42,8 +43,8 @@ async fn stdin_through_post_with_eof() {
         .await;
     assert_eq!(cmd["state"], "exited", "{cmd}");
     assert_eq!(cmd["stdin"], true);
-    let (chunks, _) = s.output(&sb, &cid, "").await;
-    assert_eq!(decode(&chunks, Some("stdout")), b"hello\nworld");
+    let (chunks, _) = s.output(&sb, &cid, OutputQuery::default()).await;
+    assert_eq!(decode(&chunks, Some(StdStream::Stdout)), b"hello\nworld");
     // Too late now, and never for a command without stdin.
     assert_eq!(stdin(&s, &sb, &cid, "x", false).await, 409);
     let other = start(&s, &sb, json!({"argv": ["sleep", "30"]})).await;
@@ -52,28 +53,12 @@ async fn stdin_through_post_with_eof() {
 }
 
 /// Connects to a command's attach WebSocket.
-async fn attach(
-    s: &TestServer,
-    sb: &str,
-    cid: &str,
-) -> tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>> {
-    let url = format!(
-        "{}/v1/sandboxes/{sb}/commands/{cid}/attach",
-        s.url.replace("http://", "ws://")
-    );
-    let mut req = url.into_client_request().unwrap();
-    req.headers_mut()
-        .insert("authorization", format!("Bearer {TOKEN}").parse().unwrap());
-    let (ws, _) = tokio_tungstenite::connect_async(req).await.expect("attach");
-    ws
+async fn attach(s: &TestServer, sb: &str, cid: &str) -> AttachSocket {
+    s.client().attach(sb, cid, None).await.expect("attach")
 }
 
 /// Reads output from the socket until the exit message; returns (stdout, stderr, exit).
-async fn read_until_exit(
-    ws: &mut tokio_tungstenite::WebSocketStream<
-        tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>,
-    >,
-) -> (Vec<u8>, Vec<u8>, Value) {
+async fn read_until_exit(ws: &mut AttachSocket) -> (Vec<u8>, Vec<u8>, Value) {
     let (mut out, mut err) = (Vec::new(), Vec::new());
     loop {
         let msg = tokio::time::timeout(Duration::from_secs(30), ws.next())
@@ -163,7 +148,7 @@ async fn a_background_server_keeps_running_and_can_be_killed_later() {
     assert_eq!(running.len(), 1);
     assert_eq!(running[0]["id"], server.as_str());
     // Its log keeps flowing into its session (the request was logged on stderr).
-    let (chunks, _) = s.output(&sb, &server, "").await;
+    let (chunks, _) = s.output(&sb, &server, OutputQuery::default()).await;
     let text = String::from_utf8_lossy(&decode(&chunks, None)).into_owned();
     assert!(
         text.contains("serving") && text.contains("GET / HTTP"),
@@ -193,8 +178,9 @@ async fn fifty_concurrent_commands_stream_independently() {
     let other = s.create("busybox").await;
     let mut tasks = Vec::new();
     for i in 0..50 {
-        let (url, sb) = (
-            s.url.clone(),
+        // A client of its own each: fifty connections, not one pool.
+        let (client, sb) = (
+            s.client_as(common::TOKEN),
             if i % 10 == 0 {
                 other.clone()
             } else {
@@ -202,21 +188,16 @@ async fn fifty_concurrent_commands_stream_independently() {
             },
         );
         tasks.push(tokio::spawn(async move {
-            let http = reqwest::Client::new();
             let script = format!(
                 "for j in 1 2 3 4 5; do echo $j-{i}; echo e$j-{i} >&2; sleep 0.1; done; exit {}",
                 i % 7
             );
-            let cmd: Value = http
-                .post(format!("{url}/v1/sandboxes/{sb}/commands"))
-                .bearer_auth(TOKEN)
-                .json(&json!({"shell": script, "wait": true}))
-                .send()
-                .await
-                .unwrap()
-                .json()
-                .await
-                .unwrap();
+            let req = CreateCommandRequest {
+                shell: Some(script),
+                wait: Some(true),
+                ..Default::default()
+            };
+            let cmd = client.create_command(&sb, &req).await.unwrap();
             (i, cmd)
         }));
     }
@@ -224,9 +205,10 @@ async fn fifty_concurrent_commands_stream_independently() {
         let (i, cmd) = t.await.unwrap();
         let want: String = (1..=5).map(|j| format!("{j}-{i}\n")).collect();
         let want_err: String = (1..=5).map(|j| format!("e{j}-{i}\n")).collect();
-        assert_eq!(cmd["stdout"], want.as_str(), "{cmd}");
-        assert_eq!(cmd["stderr"], want_err.as_str(), "{cmd}");
-        assert_eq!(cmd["result"]["exit_code"], i % 7);
+        assert_eq!(cmd.stdout.as_deref(), Some(want.as_str()), "{cmd:?}");
+        assert_eq!(cmd.stderr.as_deref(), Some(want_err.as_str()), "{cmd:?}");
+        let result = cmd.result.as_ref().expect("an ended command");
+        assert_eq!(result.exit_code, Some(i % 7), "{cmd:?}");
     }
     s.destroy(&sb).await;
     s.destroy(&other).await;
@@ -307,8 +289,12 @@ async fn an_output_flood_is_capped_keeps_its_tail_and_stalls_nobody() {
         on_disk <= 6 << 20,
         "{on_disk} bytes on disk for a 4 MiB cap"
     );
-    let (chunks, end) = s.output(&flood_sb, &flood, "stream=stdout").await;
-    let first = chunks[0]["offset"].as_u64().unwrap();
+    let stdout = OutputQuery {
+        view: OutputView::Stdout,
+        ..Default::default()
+    };
+    let (chunks, end) = s.output(&flood_sb, &flood, stdout).await;
+    let first = chunks[0].offset;
     let tail = decode(&chunks, None);
     assert!(
         first >= 200_000_012 - (5 << 20),
@@ -316,7 +302,9 @@ async fn an_output_flood_is_capped_keeps_its_tail_and_stalls_nobody() {
     );
     assert_eq!(first + tail.len() as u64, 200_000_012);
     assert!(tail.ends_with(b"END-OF-FLOOD"));
-    assert_eq!(end.unwrap()["result"]["output_truncated"], true);
+    let end = end.expect("the end of the output");
+    assert_eq!(end.state, CommandState::Exited);
+    assert!(end.result.expect("a result").output_truncated);
     // Neither did the agent's (PID 1 in the sandbox).
     let agent = s.sh(&flood_sb, "grep VmRSS /proc/1/status").await;
     let agent_kib: u64 = agent["stdout"]
@@ -341,13 +329,7 @@ async fn an_output_flood_is_capped_keeps_its_tail_and_stalls_nobody() {
 }
 
 /// Reads from an attach socket until the stdout seen so far contains `want`.
-async fn read_until(
-    ws: &mut tokio_tungstenite::WebSocketStream<
-        tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>,
-    >,
-    seen: &mut String,
-    want: &str,
-) {
+async fn read_until(ws: &mut AttachSocket, seen: &mut String, want: &str) {
     while !seen.contains(want) {
         let msg = tokio::time::timeout(Duration::from_secs(20), ws.next())
             .await

@@ -11,7 +11,9 @@ mod common;
 use std::time::Duration;
 
 use common::{decode, TestServer};
+use futures::TryStreamExt;
 use serde_json::{json, Value};
+use space_client::{OutputQuery, OutputView, StdStream, UploadOptions};
 
 /// The server, or `None` (with the reason printed) when `runtime` is not available here.
 async fn server(runtime: &str) -> Option<TestServer> {
@@ -70,8 +72,13 @@ async fn output_offsets_stdin_signals_and_timeouts(rt: &str) {
     // Output replay from an offset.
     let cmd = s.sh(&sb, "printf 0123456789").await;
     let id = cmd["id"].as_str().unwrap();
-    let (chunks, _) = s.output(&sb, id, "offset=4&stream=stdout").await;
-    assert_eq!(decode(&chunks, Some("stdout")), b"456789");
+    let q = OutputQuery {
+        offset: 4,
+        view: OutputView::Stdout,
+        ..Default::default()
+    };
+    let (chunks, _) = s.output(&sb, id, q).await;
+    assert_eq!(decode(&chunks, Some(StdStream::Stdout)), b"456789");
     // stdin, with EOF.
     let (st, c) = s
         .post(
@@ -81,21 +88,15 @@ async fn output_offsets_stdin_signals_and_timeouts(rt: &str) {
         .await;
     assert_eq!(st, 201, "{c}");
     let cid = c["id"].as_str().unwrap().to_string();
-    let resp = s
-        .req(
-            reqwest::Method::POST,
-            &format!("/v1/sandboxes/{sb}/commands/{cid}/stdin?eof=true"),
-        )
-        .body("through stdin\n")
-        .send()
+    s.client()
+        .write_stdin(&sb, &cid, "through stdin\n", true)
         .await
         .unwrap();
-    assert!(resp.status().is_success());
     let (_, done) = s
         .get(&format!("/v1/sandboxes/{sb}/commands/{cid}?wait=30s"))
         .await;
     assert_eq!(done["result"]["exit_code"], 0, "{done}");
-    let (chunks, _) = s.output(&sb, &cid, "").await;
+    let (chunks, _) = s.output(&sb, &cid, OutputQuery::default()).await;
     assert_eq!(decode(&chunks, None), b"through stdin\n");
     // A signal reaches the process group.
     let (_, c) = s
@@ -135,27 +136,32 @@ async fn files_round_trip_and_containment(rt: &str) {
     let Some(s) = server(rt).await else { return };
     let sb = create(&s, rt, json!({})).await;
     let files = format!("/v1/sandboxes/{sb}/files");
-    let resp = s
-        .req(
-            reqwest::Method::PUT,
-            &format!("{files}?path=/tmp/up.bin&mode=0600&uid=1000&gid=1000"),
-        )
-        .body(vec![5u8; 200_000])
-        .send()
+    let opts = UploadOptions {
+        mode: Some(0o600),
+        uid: Some(1000),
+        gid: Some(1000),
+        ..Default::default()
+    };
+    let info = s
+        .client()
+        .upload_file(&sb, "/tmp/up.bin", vec![5u8; 200_000], &opts)
         .await
         .unwrap();
-    assert_eq!(resp.status(), 201);
+    assert_eq!(
+        (info.size, info.mode & 0o7777, info.uid, info.gid),
+        (200_000, 0o600, 1000, 1000),
+        "{info:?}"
+    );
     let seen = s.sh(&sb, "stat -c '%a %u %s' /tmp/up.bin").await;
     assert_eq!(seen["stdout"], "600 1000 200000\n", "{seen}");
-    let body = s
-        .req(reqwest::Method::GET, &format!("{files}?path=/tmp/up.bin"))
-        .send()
-        .await
-        .unwrap()
-        .bytes()
+    let down = s.client().download_file(&sb, "/tmp/up.bin").await.unwrap();
+    let body: Vec<u8> = down
+        .body
+        .map_ok(|b| b.to_vec())
+        .try_concat()
         .await
         .unwrap();
-    assert_eq!(body.len(), 200_000);
+    assert_eq!(body, vec![5u8; 200_000]);
     let (st, v) = s.get(&format!("{files}/list?path=/tmp")).await;
     assert_eq!(st, 200, "{v}");
     s.sh(&sb, "ln -s /.space/run /tmp/agentdir").await;
@@ -301,8 +307,12 @@ async fn pause_and_suspend_cycles_keep_processes_and_files(rt: &str) {
         assert_eq!(cmd["stdout"], "advanced\n", "cycle {cycle}: {cmd}");
     }
     // The counter kept streaming into its one session, in order, without gaps.
-    let (chunks, _) = s.output(&sb, &counter, "stream=stdout&follow=false").await;
-    let text = String::from_utf8(decode(&chunks, Some("stdout"))).unwrap();
+    let stdout = OutputQuery {
+        view: OutputView::Stdout,
+        ..Default::default()
+    };
+    let (chunks, _) = s.output(&sb, &counter, stdout).await;
+    let text = String::from_utf8(decode(&chunks, Some(StdStream::Stdout))).unwrap();
     let numbers: Vec<u64> = text.lines().filter_map(|l| l.parse().ok()).collect();
     assert!(numbers.len() > 10, "{text}");
     assert!(

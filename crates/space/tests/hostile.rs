@@ -29,7 +29,6 @@ use std::time::Duration;
 use common::TestServer;
 use futures::{SinkExt, StreamExt};
 use serde_json::{json, Value};
-use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 use tokio_tungstenite::tungstenite::Message;
 
 /// Cases that load the host's CPUs (bombs, floods, spinners, build steps) run one at a
@@ -284,14 +283,16 @@ impl Hostile {
     ) -> (u16, String) {
         // A connection of its own: the server closes one after refusing a body it
         // did not read, and a pooled one could be reused just as it closes.
-        let client = reqwest::Client::builder()
+        let http = reqwest::Client::builder()
             .pool_max_idle_per_host(0)
             .build()
             .unwrap();
-        let mut rb = client
-            .request(method.clone(), format!("{}{path}", self.s.url))
-            .bearer_auth(common::TOKEN)
-            .timeout(Duration::from_secs(60));
+        let client = space_client::Client::builder(&self.s.url, common::TOKEN)
+            .http(http)
+            .timeout(Duration::from_secs(60))
+            .build()
+            .unwrap();
+        let mut rb = client.request(method.clone(), path);
         if let Some(ct) = content_type {
             rb = rb.header("content-type", ct);
         }
@@ -1531,13 +1532,7 @@ async fn api_abuse(rt: &'static str) {
     );
     let cat = start_cmd(&h, &v, json!({"argv": ["cat"], "stdin": true})).await;
     for cid in [&cat, &sig_cmd] {
-        let url = format!("{}{cmds}/{cid}/attach", h.s.url.replace("http://", "ws://"));
-        let mut req = url.into_client_request().unwrap();
-        req.headers_mut().insert(
-            "authorization",
-            format!("Bearer {}", common::TOKEN).parse().unwrap(),
-        );
-        let (mut ws, _) = tokio_tungstenite::connect_async(req).await.expect("attach");
+        let mut ws = h.s.client().attach(&v, cid, None).await.expect("attach");
         for m in [
             Message::Text("not json".into()),
             Message::Text(r#"{"type":"resize","rows":-1,"cols":99999999}"#.into()),
@@ -2912,61 +2907,31 @@ async fn call_as(
     path: &str,
     body: Option<Value>,
 ) -> (u16, Value) {
-    let mut rb =
-        h.s.http
-            .request(method, format!("{}{path}", h.s.url))
-            .bearer_auth(key)
-            .timeout(Duration::from_secs(600));
-    if let Some(b) = body {
-        rb = rb.json(&b);
-    }
-    let resp = rb.send().await.expect("request");
-    let st = resp.status().as_u16();
-    (st, resp.json().await.unwrap_or(Value::Null))
+    common::call_with(&h.s.client_as(key), method, path, body).await
 }
+
+/// How long a create or destroy as another tenant may take.
+const OPERATION_LIMIT: Duration = Duration::from_secs(1200);
 
 /// A running busybox sandbox of `key`'s tenant.
 async fn create_as(h: &Hostile, key: &str) -> String {
-    let (st, op) = call_as(
-        h,
-        key,
-        reqwest::Method::POST,
-        "/v1/sandboxes",
-        Some(json!({"template": "busybox", "runtime": h.rt})),
-    )
-    .await;
-    assert_eq!(st, 202, "{op}");
-    let path = format!("/v1/operations/{}?wait=30s", op["id"].as_str().unwrap());
-    for _ in 0..40 {
-        let (_, op) = call_as(h, key, reqwest::Method::GET, &path, None).await;
-        match op["status"].as_str().unwrap_or_default() {
-            "succeeded" => return op["sandbox_id"].as_str().unwrap().to_string(),
-            "failed" | "cancelled" => panic!("create failed: {op}"),
-            _ => {}
-        }
-    }
-    panic!("the create did not finish");
+    let req = space_client::api::CreateSandboxRequest {
+        template: "busybox".into(),
+        runtime: Some(h.rt.into()),
+        ..Default::default()
+    };
+    h.s.client_as(key)
+        .create_sandbox_and_wait(&req, OPERATION_LIMIT)
+        .await
+        .unwrap_or_else(|e| panic!("create as another tenant: {e}"))
 }
 
 async fn destroy_as(h: &Hostile, key: &str, sb: &str) {
-    let (st, op) = call_as(
-        h,
-        key,
-        reqwest::Method::DELETE,
-        &format!("/v1/sandboxes/{sb}"),
-        None,
-    )
-    .await;
-    assert_eq!(st, 202, "{op}");
-    let path = format!("/v1/operations/{}?wait=30s", op["id"].as_str().unwrap());
-    for _ in 0..40 {
-        let (_, op) = call_as(h, key, reqwest::Method::GET, &path, None).await;
-        if op["status"] == "succeeded" {
-            h.s.assert_nothing_left(sb);
-            return;
-        }
-    }
-    panic!("the destroy of {sb} did not finish");
+    h.s.client_as(key)
+        .destroy_sandbox_and_wait(sb, OPERATION_LIMIT)
+        .await
+        .unwrap_or_else(|e| panic!("destroy {sb} as another tenant: {e}"));
+    h.s.assert_nothing_left(sb);
 }
 
 /// Pids of the host processes that make up a sandbox (runsc's sandbox and gofer, or QEMU).
@@ -3759,12 +3724,16 @@ async fn unresponsive_agent(rt: &'static str) {
     )
     .await;
     eprintln!("[{rt}] a command to the wedged agent: {st} {out}");
-    assert_ne!(out["stdout"], "ok\n", "a wedged agent ran a command: {out}");
+    assert_ne!(
+        out["stdout"], "ok\n",
+        "a wedged agent ran a command (an agent built without its test hooks does: \
+         FEATURES=test-hooks scripts/build.sh): {out}"
+    );
     let failed = h.s.wait_state(&w, "failed", ANSWER_DEADLINE).await;
-    let reason = failed["object"]["failure_reason"]
+    let reason = failed.object["failure_reason"]
         .as_str()
         .unwrap_or_default();
-    assert!(reason.contains("agent"), "{failed}");
+    assert!(reason.contains("agent"), "{failed:?}");
     let c = wait_cmd(&h, &w, &sleeper, Duration::from_secs(60)).await;
     assert_eq!(c["state"], "lost", "{c}");
     h.healthy("agent_wedged", None).await;

@@ -6,7 +6,9 @@ mod common;
 use std::time::Duration;
 
 use common::{decode, TestServer};
+use futures::StreamExt;
 use serde_json::{json, Value};
+use space_client::{EventsQuery, OutputQuery, OutputView};
 
 async fn op_ok(s: &TestServer, resp: (u16, Value)) -> Value {
     let (st, op) = resp;
@@ -137,12 +139,17 @@ async fn five_cycles(s: &TestServer) -> Result<(), (String, Value)> {
         )
         .await;
     assert_eq!(st, 200);
-    let (chunks, end) = s.output(&sb, &counter, "stream=stdout&follow=true").await;
+    let q = OutputQuery {
+        view: OutputView::Stdout,
+        follow: true,
+        ..Default::default()
+    };
+    let (chunks, end) = s.output(&sb, &counter, q).await;
     let text = String::from_utf8(decode(&chunks, None)).unwrap();
     let numbers: Vec<u64> = text.lines().map(|l| l.parse().unwrap()).collect();
     assert!(numbers.len() >= 6, "{numbers:?}");
     assert_eq!(numbers, (0..numbers.len() as u64).collect::<Vec<_>>());
-    assert_eq!(end.unwrap()["result"]["signal"], 9);
+    assert_eq!(end.unwrap().result.and_then(|r| r.signal), Some(9));
     s.destroy(&sb).await;
     Ok(())
 }
@@ -278,7 +285,7 @@ async fn ttl_destroys_at_expiry_and_keepalive_extends_it() {
     let ev = s
         .wait_state(&sb, "destroyed", Duration::from_secs(30))
         .await;
-    assert!(ev["object"]["destroyed_at"].is_string());
+    assert!(ev.object["destroyed_at"].is_string(), "{ev:?}");
     s.assert_nothing_left(&sb);
     let (_, ops) = s.get(&format!("/v1/operations?sandbox_id={sb}")).await;
     let destroy = ops["operations"]
@@ -353,39 +360,27 @@ async fn events_resume_from_last_event_id() {
     let s = TestServer::start().await;
     let sb = s.create("busybox").await;
     let running = s.wait_state(&sb, "running", Duration::from_secs(10)).await;
-    let last_id = running["id"].as_i64().unwrap();
+    let last_id = running.id;
     s.destroy(&sb).await;
 
-    // Reconnect with Last-Event-ID: exactly what came after, in order.
-    let mut resp = s
-        .req(reqwest::Method::GET, "/v1/events")
-        .header("last-event-id", last_id.to_string())
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(resp.status(), 200);
-    let mut text = String::new();
+    // Reconnect with Last-Event-ID: exactly what came after, in order. (The client
+    // refuses an event whose `id:` line is not the id in its data.)
+    let q = EventsQuery {
+        last_event_id: Some(last_id),
+        ..Default::default()
+    };
+    let mut events = s.client().events(&q).await.unwrap();
     let mut ids = Vec::new();
     let mut states = Vec::new();
     while !states.contains(&"destroyed".to_string()) {
-        let chunk = tokio::time::timeout(Duration::from_secs(10), resp.chunk())
+        let ev = tokio::time::timeout(Duration::from_secs(10), events.next())
             .await
             .expect("events in time")
-            .unwrap()
-            .expect("stream open");
-        text.push_str(&String::from_utf8_lossy(&chunk));
-        ids.clear();
-        states.clear();
-        for line in text.lines() {
-            if let Some(id) = line.strip_prefix("id: ") {
-                ids.push(id.parse::<i64>().unwrap());
-            }
-            if let Some(data) = line.strip_prefix("data: ") {
-                let ev: Value = serde_json::from_str(data).unwrap();
-                if ev["type"] == "sandbox" && ev["object"]["id"] == sb.as_str() {
-                    states.push(ev["object"]["state"].as_str().unwrap().to_string());
-                }
-            }
+            .expect("stream open")
+            .unwrap();
+        ids.push(ev.id);
+        if ev.kind == "sandbox" && ev.object["id"] == sb.as_str() {
+            states.push(ev.object["state"].as_str().unwrap().to_string());
         }
     }
     assert!(ids.iter().all(|i| *i > last_id), "{ids:?}");
@@ -492,9 +487,9 @@ async fn crash_during(failpoint: &str, prepare: &str, start: &str) {
         "{failpoint}: left {state}: {v}"
     );
     // No completed output is lost.
-    let (chunks, end) = s.output(&sb, &finished_id, "").await;
+    let (chunks, end) = s.output(&sb, &finished_id, OutputQuery::default()).await;
     assert_eq!(decode(&chunks, None), b"done-before-the-crash\n");
-    assert_eq!(end.unwrap()["result"]["exit_code"], 0);
+    assert_eq!(end.unwrap().exit_code(), Some(0));
     // The sandbox still works, or can at least be destroyed cleanly.
     if state == "running" {
         assert_eq!(s.sh(&target, "echo alive").await["stdout"], "alive\n");

@@ -33,7 +33,8 @@ async fn document_is_served_and_every_operation_is_routed() {
 
     // Behind the bearer token like the rest of /v1.
     let anon = s
-        .http
+        .client()
+        .http()
         .get(format!("{}/v1/openapi.json", s.url))
         .send()
         .await

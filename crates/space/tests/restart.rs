@@ -5,7 +5,9 @@
 mod common;
 
 use common::{decode, TestServer};
+use futures::StreamExt;
 use serde_json::json;
+use space_client::{OutputItem, OutputQuery, StdStream};
 
 #[tokio::test]
 async fn restart_after_kill9_readopts_and_loses_nothing() {
@@ -44,22 +46,26 @@ async fn restart_after_kill9_readopts_and_loses_nothing() {
     let orphan_id = orphan["id"].as_str().unwrap().to_string();
 
     // Let some output flow, then kill the server mid-stream.
-    let mut resp = s
-        .req(
-            reqwest::Method::GET,
-            &format!("/v1/sandboxes/{live}/commands/{streaming_id}/output?follow=true"),
-        )
-        .send()
+    let follow = OutputQuery {
+        follow: true,
+        ..Default::default()
+    };
+    let mut output = s
+        .client()
+        .command_output(&live, &streaming_id, &follow)
         .await
         .unwrap();
-    let first = resp
-        .chunk()
+    let first = output
+        .next()
         .await
-        .unwrap()
-        .expect("some output before the kill");
-    assert!(!first.is_empty());
+        .expect("some output before the kill")
+        .unwrap();
+    assert!(
+        matches!(&first, OutputItem::Chunk { data, .. } if !data.is_empty()),
+        "{first:?}"
+    );
     s.kill9();
-    drop(resp);
+    drop(output);
 
     // While the server is down, one sandbox disappears behind its back: its runsc
     // container is deleted, or (microvm) its QEMU is killed.
@@ -104,20 +110,20 @@ async fn restart_after_kill9_readopts_and_loses_nothing() {
         .await;
     assert_eq!(c["state"], "exited");
     assert_eq!(c["result"]["exit_code"], 5);
-    let (chunks, end) = s.output(&live, &finished_id, "").await;
+    let (chunks, end) = s.output(&live, &finished_id, OutputQuery::default()).await;
     assert_eq!(
-        String::from_utf8(decode(&chunks, Some("stdout"))).unwrap(),
+        String::from_utf8(decode(&chunks, Some(StdStream::Stdout))).unwrap(),
         expected_seq
     );
-    assert_eq!(decode(&chunks, Some("stderr")), b"to-stderr\n");
-    assert_eq!(end.unwrap()["result"]["exit_code"], 5);
+    assert_eq!(decode(&chunks, Some(StdStream::Stderr)), b"to-stderr\n");
+    assert_eq!(end.unwrap().exit_code(), Some(5));
 
     // The streaming command kept streaming into the same session, complete and in order.
-    let (chunks, end) = s.output(&live, &streaming_id, "follow=true").await;
+    let (chunks, end) = s.output(&live, &streaming_id, follow).await;
     let want: String = (0..40).map(|i| format!("tick {i}\n")).collect();
     assert_eq!(String::from_utf8(decode(&chunks, None)).unwrap(), want);
     let end = end.expect("result line");
-    assert_eq!(end["result"]["exit_code"], 9, "{end}");
+    assert_eq!(end.exit_code(), Some(9), "{end:?}");
 
     s.destroy(&live).await;
     let (st, op) = s.delete(&format!("/v1/sandboxes/{doomed}")).await;

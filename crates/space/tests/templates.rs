@@ -9,6 +9,7 @@ use std::path::Path;
 use std::process::Command;
 
 use common::{TestServer, TOKEN};
+use futures::StreamExt;
 use serde_json::{json, Value};
 
 /// A name and a nonce unique to this test run.
@@ -299,20 +300,13 @@ async fn a_server_killed_mid_build_leaves_no_container_and_no_layer() {
     assert_eq!(status, 202, "{op}");
     let op_id = op["id"].as_str().unwrap().to_string();
     // Follow the log until the step runs inside its container.
-    let mut resp = s
-        .req(
-            reqwest::Method::GET,
-            &format!("/v1/operations/{op_id}/log?follow=true"),
-        )
-        .send()
-        .await
-        .unwrap();
+    let mut log = s.client().build_log(&op_id, true).await.unwrap();
     let mut seen = String::new();
     while !seen.contains("step-running\n") {
-        let chunk = resp.chunk().await.unwrap().expect("log ended early");
+        let chunk = log.next().await.expect("log ended early").unwrap();
         seen.push_str(&String::from_utf8_lossy(&chunk));
     }
-    drop(resp);
+    drop(log);
     s.kill_and_restart();
     let op = s.wait_op(&op_id).await;
     assert_eq!(op["status"], "failed", "{op}");

@@ -45,11 +45,12 @@ struct Reply {
     retry_after: Option<String>,
 }
 
+/// The raw answer to `key`'s request (statuses and `Retry-After` are what these
+/// tests are about).
 async fn call(s: &TestServer, key: &str, method: Method, path: &str, body: Option<Value>) -> Reply {
     let mut rb = s
-        .http
-        .request(method, format!("{}{}", s.url, path))
-        .bearer_auth(key)
+        .client_as(key)
+        .request(method, path)
         .timeout(Duration::from_secs(120));
     if let Some(b) = body {
         rb = rb.json(&b);
@@ -329,9 +330,8 @@ async fn another_tenants_ids_are_not_found_and_lists_are_filtered() {
 /// All retained events (`?after=0`) a tenant's stream replays within a short read.
 async fn replay_events(s: &TestServer, key: &str) -> String {
     let mut resp = s
-        .http
-        .get(format!("{}/v1/events?after=0", s.url))
-        .bearer_auth(key)
+        .client_as(key)
+        .request(Method::GET, "/v1/events?after=0")
         .send()
         .await
         .unwrap();
@@ -601,22 +601,17 @@ async fn a_server_can_run_on_keys_alone() {
             break u.to_string();
         }
     };
-    let http = reqwest::Client::new();
-    let ok = http
-        .get(format!("{url}/v1/sandboxes"))
-        .bearer_auth(&key)
-        .send()
+    let all = || std::iter::empty::<(&str, &str)>();
+    common::client_of(&url, &key)
+        .list_sandboxes(all())
         .await
         .unwrap();
-    assert_eq!(ok.status(), 200);
     for bad in ["space-dev-token", "", "test-token-0123456789"] {
-        let r = http
-            .get(format!("{url}/v1/sandboxes"))
-            .bearer_auth(bad)
-            .send()
+        let e = common::client_of(&url, bad)
+            .list_sandboxes(all())
             .await
-            .unwrap();
-        assert_eq!(r.status(), 401, "{bad}");
+            .unwrap_err();
+        assert_eq!(e.status(), Some(401), "{bad}: {e}");
     }
     child.kill().unwrap();
     child.wait().unwrap();

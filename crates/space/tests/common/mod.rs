@@ -1,5 +1,12 @@
 //! Test harness: starts the real `space` binary on an ephemeral port with a
-//! throwaway data dir, talks HTTP to it, and checks that nothing leaked.
+//! throwaway data dir, talks to it through the typed client (`space_client`, the one
+//! the CLI and the benches use), and checks that nothing leaked.
+//!
+//! `get`/`post`/`delete`/`call` give the raw status and JSON of any request (through
+//! the client's escape hatch, [`space_client::Client::request`]), for tests whose
+//! subject is the wire: statuses, error bodies, malformed input. The helpers above
+//! them (`create`, `run`, `destroy`, `wait_op`, `output`, `wait_state`, …) make typed
+//! calls; [`TestServer::client`] gives the client itself.
 #![allow(dead_code)]
 
 use std::io::{BufRead, BufReader};
@@ -8,9 +15,21 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+use futures::StreamExt;
 use serde_json::{json, Value};
+use space_client::api::{
+    CommandState, CreateSandboxRequest, Event, OperationKind, ProcessResult, SandboxState,
+};
+use space_client::{Client, EventsQuery, OutputItem, OutputQuery, StdStream};
 
 pub const TOKEN: &str = "test-token-0123456789";
+
+/// Deadline of one request whose answer is read whole: longer than any `wait` a test
+/// asks of the server.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(600);
+/// How long an operation may take before a test gives up on it (a template build or
+/// a microVM under TCG on a loaded host is slow).
+const OPERATION_LIMIT: Duration = Duration::from_secs(1200);
 
 /// The template cache shared by all tests (built once by scripts/test.sh).
 pub fn templates_dir() -> PathBuf {
@@ -21,11 +40,79 @@ pub fn templates_dir() -> PathBuf {
         })
 }
 
+/// A client of `url` with bearer token `token` and the tests' request deadline.
+pub fn client_of(url: &str, token: &str) -> Client {
+    Client::builder(url, token)
+        .timeout(REQUEST_TIMEOUT)
+        .build()
+        .expect("a client of the test server")
+}
+
+/// Sends a request and reads its answer as `(status, JSON)`: `Null` for an empty
+/// body, a JSON string for a body that is not JSON.
+pub async fn send_raw(rb: reqwest::RequestBuilder) -> (u16, Value) {
+    let resp = rb.send().await.expect("request");
+    let status = resp.status().as_u16();
+    let bytes = resp.bytes().await.expect("body");
+    let v = if bytes.is_empty() {
+        Value::Null
+    } else {
+        serde_json::from_slice(&bytes)
+            .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into_owned()))
+    };
+    (status, v)
+}
+
+/// `method path` with `body` as JSON through `client`'s escape hatch: the raw answer.
+pub async fn call_with(
+    client: &Client,
+    method: reqwest::Method,
+    path: &str,
+    body: Option<Value>,
+) -> (u16, Value) {
+    let mut rb = client.request(method, path);
+    if let Some(b) = body {
+        rb = rb.json(&b);
+    }
+    send_raw(rb).await
+}
+
+/// A typed value as JSON, for assertions that index into it.
+fn json_of<T: serde::Serialize>(v: &T) -> Value {
+    serde_json::to_value(v).expect("API types serialize")
+}
+
+/// One chunk of a command's output.
+#[derive(Debug, Clone)]
+pub struct Chunk {
+    pub stream: StdStream,
+    /// Its position in the view that was read.
+    pub offset: u64,
+    pub data: Vec<u8>,
+}
+
+/// The end of a command's output.
+#[derive(Debug, Clone)]
+pub struct End {
+    pub state: CommandState,
+    /// `None` for a `lost` command.
+    pub result: Option<ProcessResult>,
+    pub lost_reason: Option<String>,
+}
+
+impl End {
+    /// The exit code (`None` when killed by a signal, or lost).
+    pub fn exit_code(&self) -> Option<i32> {
+        self.result.as_ref().and_then(|r| r.exit_code)
+    }
+}
+
 pub struct TestServer {
     child: Option<Child>,
     pub url: String,
     pub data: tempfile::TempDir,
-    pub http: reqwest::Client,
+    /// The client of the running server (made anew at each start: the port changes).
+    client: Option<Client>,
     extra_args: Vec<String>,
     /// Extra environment for the next start (cleared by `clear_env`).
     pub env: Vec<(String, String)>,
@@ -50,7 +137,7 @@ impl TestServer {
             child: None,
             url: String::new(),
             data,
-            http: reqwest::Client::new(),
+            client: None,
             extra_args: extra.iter().map(|s| s.to_string()).collect(),
             env: env
                 .iter()
@@ -59,6 +146,16 @@ impl TestServer {
         };
         s.spawn();
         s
+    }
+
+    /// The typed client of the server, with the server's own token.
+    pub fn client(&self) -> &Client {
+        self.client.as_ref().expect("the server was started")
+    }
+
+    /// A client of the server with another token (an API key).
+    pub fn client_as(&self, token: &str) -> Client {
+        client_of(&self.url, token)
     }
 
     fn spawn(&mut self) {
@@ -113,6 +210,7 @@ impl TestServer {
         };
         // Keep draining stdout so the server never blocks on it.
         std::thread::spawn(move || for _ in lines {});
+        self.client = Some(client_of(&url, TOKEN));
         self.url = url;
         self.child = Some(child);
     }
@@ -148,37 +246,23 @@ impl TestServer {
         }
     }
 
-    /// Waits (on the event stream) until the sandbox reaches `state`; panics after `limit`.
-    pub async fn wait_state(&self, sb: &str, state: &str, limit: Duration) -> Value {
+    /// Waits (on the event stream) until the sandbox reaches `state`: that event.
+    /// Panics after `limit`.
+    pub async fn wait_state(&self, sb: &str, state: &str, limit: Duration) -> Event {
         let fut = async {
-            let mut resp = self
-                .req(reqwest::Method::GET, "/v1/events?after=0")
-                .send()
-                .await
-                .expect("events");
-            assert_eq!(resp.status(), 200);
-            let mut buf = Vec::new();
+            let q = EventsQuery {
+                after: Some(0),
+                ..Default::default()
+            };
+            let mut events = self.client().events(&q).await.expect("events");
             loop {
-                let chunk = resp
-                    .chunk()
+                let ev = events
+                    .next()
                     .await
-                    .expect("event chunk")
-                    .expect("stream ended");
-                buf.extend_from_slice(&chunk);
-                while let Some(pos) = buf.windows(2).position(|w| w == b"\n\n") {
-                    let frame: Vec<u8> = buf.drain(..pos + 2).collect();
-                    let text = String::from_utf8_lossy(&frame);
-                    for line in text.lines() {
-                        if let Some(data) = line.strip_prefix("data: ") {
-                            let ev: Value = serde_json::from_str(data).expect("event json");
-                            if ev["type"] == "sandbox"
-                                && ev["object"]["id"] == sb
-                                && ev["object"]["state"] == state
-                            {
-                                return ev;
-                            }
-                        }
-                    }
+                    .expect("the event stream ended")
+                    .expect("an event");
+                if ev.kind == "sandbox" && ev.object["id"] == sb && ev.object["state"] == state {
+                    return ev;
                 }
             }
         };
@@ -215,33 +299,20 @@ impl TestServer {
         std::fs::read_to_string(self.data.path().join("server.log")).unwrap_or_default()
     }
 
+    /// A request to `path` with the credentials: the client's escape hatch, for
+    /// requests the typed calls do not make (raw bodies, odd headers, streams read by hand).
     pub fn req(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
-        self.http
-            .request(method, format!("{}{}", self.url, path))
-            .bearer_auth(TOKEN)
-            .timeout(Duration::from_secs(600))
+        self.client().request(method, path)
     }
 
+    /// The raw status and JSON answer of `method path` (with `body` as JSON).
     pub async fn call(
         &self,
         method: reqwest::Method,
         path: &str,
         body: Option<Value>,
     ) -> (u16, Value) {
-        let mut rb = self.req(method, path);
-        if let Some(b) = body {
-            rb = rb.json(&b);
-        }
-        let resp = rb.send().await.expect("request");
-        let status = resp.status().as_u16();
-        let bytes = resp.bytes().await.expect("body");
-        let v = if bytes.is_empty() {
-            Value::Null
-        } else {
-            serde_json::from_slice(&bytes)
-                .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into_owned()))
-        };
-        (status, v)
+        call_with(self.client(), method, path, body).await
     }
 
     pub async fn get(&self, path: &str) -> (u16, Value) {
@@ -259,38 +330,38 @@ impl TestServer {
     /// Whether this server offers `runtime`. When it does not, the reason is printed, and
     /// the test fails instead if `SPACE_TEST_REQUIRE_RUNTIMES` names the runtime.
     pub async fn runtime_available(&self, runtime: &str) -> bool {
-        let (st, v) = self.get("/v1/runtimes").await;
-        assert_eq!(st, 200, "{v}");
-        let entry = v["runtimes"]
-            .as_array()
-            .and_then(|a| a.iter().find(|r| r["name"] == runtime).cloned())
-            .unwrap_or_else(|| panic!("no runtime {runtime} in {v}"));
-        if entry["available"] == true {
+        let runtimes = self.client().runtimes().await.expect("GET /v1/runtimes");
+        let entry = runtimes
+            .iter()
+            .find(|r| r.name == runtime)
+            .unwrap_or_else(|| panic!("no runtime {runtime} in {runtimes:?}"));
+        if entry.available {
             return true;
         }
         let required = std::env::var("SPACE_TEST_REQUIRE_RUNTIMES").unwrap_or_default();
         assert!(
             !required.split(',').any(|r| r == runtime),
-            "runtime {runtime} is required but unavailable: {entry}"
+            "runtime {runtime} is required but unavailable: {entry:?}"
         );
         eprintln!(
             "skipping: runtime {runtime} is unavailable here: {}",
-            entry["reason"]
+            entry.reason.as_deref().unwrap_or("no reason given")
         );
         false
     }
 
-    /// Waits for an operation to end and returns it.
+    /// Waits for an operation to end and returns it (as JSON).
     pub async fn wait_op(&self, op_id: &str) -> Value {
-        for _ in 0..40 {
-            let (status, op) = self.get(&format!("/v1/operations/{op_id}?wait=30s")).await;
-            assert_eq!(status, 200, "{op}");
-            let st = op["status"].as_str().unwrap_or_default();
-            if ["succeeded", "failed", "cancelled"].contains(&st) {
-                return op;
-            }
-        }
-        panic!("operation {op_id} did not end");
+        let op = self
+            .client()
+            .wait_operation(op_id, OPERATION_LIMIT)
+            .await
+            .unwrap_or_else(|e| panic!("waiting for operation {op_id}: {e}"));
+        assert!(
+            op.status.is_terminal(),
+            "operation {op_id} did not end within {OPERATION_LIMIT:?}: {op:?}"
+        );
+        json_of(&op)
     }
 
     /// Creates a sandbox and waits until it runs.
@@ -298,16 +369,22 @@ impl TestServer {
         self.create_with(json!({ "template": template })).await
     }
 
-    /// Creates a sandbox and waits for it. `SPACE_TEST_RUNTIME` (e.g. `microvm`) runs
-    /// the sandboxes of a suite on another runtime when the body names none.
+    /// Creates a sandbox (`body`: a `POST /v1/sandboxes` request) and waits for it.
+    /// `SPACE_TEST_RUNTIME` (e.g. `microvm`) runs the sandboxes of a suite on another
+    /// runtime when the body names none.
     pub async fn create_with(&self, mut body: Value) -> String {
         if let (Ok(rt), Some(obj)) = (std::env::var("SPACE_TEST_RUNTIME"), body.as_object_mut()) {
             obj.entry("runtime").or_insert(json!(rt));
         }
-        let (status, op) = self.post("/v1/sandboxes", body).await;
-        assert_eq!(status, 202, "{op}");
-        assert_eq!(op["kind"], "create");
-        let op = self.wait_op(op["id"].as_str().unwrap()).await;
+        let req: CreateSandboxRequest = serde_json::from_value(body.clone())
+            .unwrap_or_else(|e| panic!("not a create request: {e}: {body}"));
+        let op = self
+            .client()
+            .create_sandbox(&req)
+            .await
+            .unwrap_or_else(|e| panic!("create {body}: {e}"));
+        assert_eq!(op.kind, OperationKind::Create, "{op:?}");
+        let op = self.wait_op(&op.id).await;
         assert_eq!(
             op["status"],
             "succeeded",
@@ -317,16 +394,14 @@ impl TestServer {
         op["sandbox_id"].as_str().unwrap().to_string()
     }
 
-    /// Runs a command with `wait:true` and returns the command with its output.
+    /// Runs a command with `wait:true` and returns the command with its output (as JSON).
     pub async fn run(&self, sb: &str, argv: &[&str]) -> Value {
-        let (status, cmd) = self
-            .post(
-                &format!("/v1/sandboxes/{sb}/commands"),
-                json!({ "argv": argv, "wait": true }),
-            )
-            .await;
-        assert_eq!(status, 201, "{cmd}");
-        cmd
+        let cmd = self
+            .client()
+            .run(sb, argv)
+            .await
+            .unwrap_or_else(|e| panic!("running {argv:?} in {sb}: {e}"));
+        json_of(&cmd)
     }
 
     pub async fn sh(&self, sb: &str, script: &str) -> Value {
@@ -335,12 +410,16 @@ impl TestServer {
 
     /// Destroys a sandbox, waits, and checks that nothing of it is left.
     pub async fn destroy(&self, sb: &str) {
-        let (status, op) = self.delete(&format!("/v1/sandboxes/{sb}")).await;
-        assert_eq!(status, 202, "{op}");
-        let op = self.wait_op(op["id"].as_str().unwrap()).await;
+        let op = self
+            .client()
+            .destroy_sandbox(sb)
+            .await
+            .unwrap_or_else(|e| panic!("destroy {sb}: {e}"));
+        assert_eq!(op.kind, OperationKind::Destroy, "{op:?}");
+        let op = self.wait_op(&op.id).await;
         assert_eq!(op["status"], "succeeded", "{op}");
-        let (_, s) = self.get(&format!("/v1/sandboxes/{sb}")).await;
-        assert_eq!(s["state"], "destroyed");
+        let s = self.client().sandbox(sb).await.expect("the destroyed sandbox");
+        assert_eq!(s.state, SandboxState::Destroyed);
         self.assert_nothing_left(sb);
     }
 
@@ -372,46 +451,51 @@ impl TestServer {
         assert!(!unix.contains(sb), "a socket of {sb} remains");
     }
 
-    /// The whole NDJSON output of a command (following until its end).
-    pub async fn output(&self, sb: &str, cmd: &str, query: &str) -> (Vec<Value>, Option<Value>) {
-        let resp = self
-            .req(
-                reqwest::Method::GET,
-                &format!("/v1/sandboxes/{sb}/commands/{cmd}/output?{query}"),
-            )
-            .send()
+    /// A command's output as `q` asks for it: its chunks, and its end when the output
+    /// reached it (with `follow`, or for a command that has ended).
+    pub async fn output(&self, sb: &str, cmd: &str, q: OutputQuery) -> (Vec<Chunk>, Option<End>) {
+        let mut items = self
+            .client()
+            .command_output(sb, cmd, &q)
             .await
-            .expect("output");
-        assert_eq!(resp.status(), 200);
-        let body = resp.bytes().await.expect("output body");
+            .unwrap_or_else(|e| panic!("output of {cmd}: {e}"));
         let mut chunks = Vec::new();
-        let mut end = None;
-        for line in body.split(|b| *b == b'\n').filter(|l| !l.is_empty()) {
-            let v: Value = serde_json::from_slice(line).expect("ndjson line");
-            if v.get("data").is_some() {
-                chunks.push(v);
-            } else {
-                end = Some(v);
+        while let Some(item) = items.next().await {
+            match item.unwrap_or_else(|e| panic!("output of {cmd}: {e}")) {
+                OutputItem::Chunk {
+                    stream,
+                    offset,
+                    data,
+                } => chunks.push(Chunk {
+                    stream,
+                    offset,
+                    data,
+                }),
+                OutputItem::End {
+                    state,
+                    result,
+                    lost_reason,
+                } => {
+                    let end = End {
+                        state,
+                        result,
+                        lost_reason,
+                    };
+                    return (chunks, Some(end));
+                }
             }
         }
-        (chunks, end)
+        (chunks, None)
     }
 }
 
-/// Concatenated, decoded data of output chunks of one stream (or all when `None`).
-pub fn decode(chunks: &[Value], stream: Option<&str>) -> Vec<u8> {
-    use base64::Engine;
-    let mut out = Vec::new();
-    for c in chunks {
-        if stream.is_none_or(|s| c["stream"] == s) {
-            out.extend(
-                base64::engine::general_purpose::STANDARD
-                    .decode(c["data"].as_str().unwrap())
-                    .unwrap(),
-            );
-        }
-    }
-    out
+/// Concatenated data of output chunks of one stream (or all when `None`).
+pub fn decode(chunks: &[Chunk], stream: Option<StdStream>) -> Vec<u8> {
+    chunks
+        .iter()
+        .filter(|c| stream.is_none_or(|s| c.stream == s))
+        .flat_map(|c| c.data.iter().copied())
+        .collect()
 }
 
 pub fn processes_mentioning(needle: &str) -> Vec<(i32, String)> {

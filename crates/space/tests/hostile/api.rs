@@ -6,12 +6,17 @@ use std::collections::BTreeSet;
 use std::process::Command;
 use std::time::Duration;
 
+use futures::stream::BoxStream;
 use futures::StreamExt;
 use reqwest::Method;
 use serde_json::{json, Value};
-use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+use space_client::api::CreateSandboxRequest;
+use space_client::{ClientError, EventsQuery, OutputQuery};
 
 use super::common::TestServer;
+
+/// How long an operation of these tests may take.
+const OPERATION_LIMIT: Duration = Duration::from_secs(1200);
 
 /// `space keys create --tenant T` on the server's data dir; the key it prints.
 fn new_key(s: &TestServer, tenant: &str) -> String {
@@ -55,6 +60,7 @@ fn revoke_keys(s: &TestServer, tenant: &str) {
     }
 }
 
+/// `key`'s request on `path` as given (ids in any spelling): the raw status and JSON.
 async fn call(
     s: &TestServer,
     key: &str,
@@ -63,9 +69,8 @@ async fn call(
     body: Option<Body>,
 ) -> (u16, Value) {
     let mut rb = s
-        .http
-        .request(method, format!("{}{}", s.url, path))
-        .bearer_auth(key)
+        .client_as(key)
+        .request(method, path)
         .timeout(Duration::from_secs(120));
     match body {
         Some(Body::Json(v)) => rb = rb.json(&v),
@@ -87,47 +92,31 @@ enum Body {
     Raw(Vec<u8>),
 }
 
+/// Waits for `key`'s operation to end: the operation, as JSON.
 async fn wait_op(s: &TestServer, key: &str, op: &str) -> Value {
-    for _ in 0..40 {
-        let (st, v) = call(
-            s,
-            key,
-            Method::GET,
-            &format!("/v1/operations/{op}?wait=30s"),
-            None,
-        )
-        .await;
-        assert_eq!(st, 200, "{v}");
-        if matches!(
-            v["status"].as_str(),
-            Some("succeeded" | "failed" | "cancelled")
-        ) {
-            return v;
-        }
-    }
-    panic!("operation {op} did not end");
+    let done = s
+        .client_as(key)
+        .wait_operation(op, OPERATION_LIMIT)
+        .await
+        .unwrap_or_else(|e| panic!("operation {op}: {e}"));
+    assert!(done.status.is_terminal(), "operation {op} did not end");
+    serde_json::to_value(done).unwrap()
 }
 
+/// A sandbox of `key`'s tenant (`body`: the create request), running.
 async fn sandbox_as(s: &TestServer, key: &str, body: Value) -> String {
-    let (st, op) = call(
-        s,
-        key,
-        Method::POST,
-        "/v1/sandboxes",
-        Some(Body::Json(body)),
-    )
-    .await;
-    assert_eq!(st, 202, "{op}");
-    let done = wait_op(s, key, op["id"].as_str().unwrap()).await;
-    assert_eq!(done["status"], "succeeded", "{done}");
-    done["sandbox_id"].as_str().unwrap().to_string()
+    let req: CreateSandboxRequest = serde_json::from_value(body).unwrap();
+    s.client_as(key)
+        .create_sandbox_and_wait(&req, OPERATION_LIMIT)
+        .await
+        .unwrap_or_else(|e| panic!("create as {key}: {e}"))
 }
 
 async fn destroy_as(s: &TestServer, key: &str, sb: &str) {
-    let (st, op) = call(s, key, Method::DELETE, &format!("/v1/sandboxes/{sb}"), None).await;
-    assert_eq!(st, 202, "{op}");
-    let done = wait_op(s, key, op["id"].as_str().unwrap()).await;
-    assert_eq!(done["status"], "succeeded", "{done}");
+    s.client_as(key)
+        .destroy_sandbox_and_wait(sb, OPERATION_LIMIT)
+        .await
+        .unwrap_or_else(|e| panic!("destroy {sb}: {e}"));
     s.assert_nothing_left(sb);
 }
 
@@ -480,41 +469,35 @@ async fn a_revoked_key_loses_its_open_streams() {
     assert_eq!(st, 202, "{build}");
     let build_op = build["id"].as_str().unwrap().to_string();
 
-    let open = |path: String| {
-        let req = s.http.get(format!("{}{}", s.url, path)).bearer_auth(&key);
-        async move {
-            let resp = req.send().await.expect("open stream");
-            assert_eq!(resp.status(), 200, "{path}");
-            resp.bytes_stream()
-        }
+    // Each stream as a stream of "something arrived" (or an error).
+    let c = s.client_as(&key);
+    let events = c
+        .events(&EventsQuery {
+            after: Some(0),
+            ..Default::default()
+        })
+        .await
+        .expect("events");
+    let follow = OutputQuery {
+        follow: true,
+        ..Default::default()
     };
-    let mut streams = vec![
-        ("events", open("/v1/events?after=0".into()).await),
-        (
-            "output",
-            open(format!(
-                "/v1/sandboxes/{sb}/commands/{cid}/output?follow=true"
-            ))
-            .await,
-        ),
-        (
-            "build log",
-            open(format!("/v1/operations/{build_op}/log?follow=true")).await,
-        ),
+    let output = c
+        .command_output(&sb, &cid, &follow)
+        .await
+        .expect("output");
+    let log = c.build_log(&build_op, true).await.expect("build log");
+    let mut streams: Vec<(&str, BoxStream<'static, Result<(), ClientError>>)> = vec![
+        ("events", events.map(|r| r.map(drop)).boxed()),
+        ("output", output.map(|r| r.map(drop)).boxed()),
+        ("build log", log.map(|r| r.map(drop)).boxed()),
     ];
     // Each stream is live: it delivers something before the revocation.
     for (what, st) in streams.iter_mut() {
         let first = tokio::time::timeout(Duration::from_secs(60), st.next()).await;
         assert!(matches!(first, Ok(Some(Ok(_)))), "{what} delivered nothing");
     }
-    let ws_url = format!(
-        "{}/v1/sandboxes/{sb}/commands/{cid}/attach",
-        s.url.replacen("http", "ws", 1)
-    );
-    let mut req = ws_url.into_client_request().unwrap();
-    req.headers_mut()
-        .insert("authorization", format!("Bearer {key}").parse().unwrap());
-    let (mut ws, _) = tokio_tungstenite::connect_async(req).await.expect("attach");
+    let mut ws = c.attach(&sb, &cid, None).await.expect("attach");
     assert!(matches!(
         tokio::time::timeout(Duration::from_secs(30), ws.next()).await,
         Ok(Some(Ok(_)))
@@ -671,8 +654,7 @@ async fn slow_clients_are_capped_and_dropped() {
     assert!(!text.starts_with("HTTP/1.1 2"), "{text}");
 
     // The server still answers, and holds no more descriptors than before.
-    let (st, _) = call(&s, super::common::TOKEN, Method::GET, "/healthz", None).await;
-    assert_eq!(st, 200);
+    s.client().healthz().await.expect("healthz");
     let mut now = fds();
     for _ in 0..50 {
         if now <= baseline + 8 {
@@ -769,38 +751,31 @@ async fn a_tenant_cannot_hold_more_than_its_share_open() {
         return;
     }
     let (greedy, other) = (new_key(&s, "greedy"), new_key(&s, "other"));
-    let open = |key: &str| {
-        s.http
-            .get(format!("{}/v1/events", s.url))
-            .bearer_auth(key)
-            .send()
+    let (greedy_c, other_c) = (s.client_as(&greedy), s.client_as(&other));
+    let open = |c: &space_client::Client| {
+        let c = c.clone();
+        async move { c.events(&EventsQuery::default()).await }
     };
     let mut held = Vec::new();
     for _ in 0..3 {
-        let r = open(&greedy).await.unwrap();
-        assert_eq!(r.status(), 200);
-        held.push(r);
+        held.push(open(&greedy_c).await.unwrap());
     }
-    let r = open(&greedy).await.unwrap();
-    assert_eq!(r.status(), 429);
-    let v: Value = r.json().await.unwrap();
-    assert!(
-        v["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("limit is 3"),
-        "{v}"
-    );
+    let e = open(&greedy_c).await.err().expect("a fourth stream");
+    assert_eq!(e.status(), Some(429), "{e}");
+    let msg = &e.api_error().expect("an error body").message;
+    assert!(msg.contains("limit is 3"), "{e}");
     // Another tenant has its own streams; a closed stream gives its slot back.
-    assert_eq!(open(&other).await.unwrap().status(), 200);
+    open(&other_c).await.unwrap();
     drop(held.pop());
     let mut ok = false;
     for _ in 0..50 {
-        let r = open(&greedy).await.unwrap();
-        if r.status() == 200 {
-            held.push(r);
-            ok = true;
-            break;
+        match open(&greedy_c).await {
+            Ok(stream) => {
+                held.push(stream);
+                ok = true;
+                break;
+            }
+            Err(e) => assert_eq!(e.status(), Some(429), "{e}"),
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }

@@ -6,6 +6,7 @@
 use std::time::Duration;
 
 use serde_json::{json, Value};
+use space_client::OutputQuery;
 
 use super::common::TestServer;
 
@@ -73,15 +74,14 @@ async fn tiny_alternating_chunks_cannot_grow_the_index() {
     // never 24 bytes per chunk (that would be tens of MB here).
     assert!(used <= 5 << 20, "{used} bytes on disk for 1.2 MB of output");
     // What is kept replays in order and ends with the command's last bytes.
-    let (chunks, end) = s.output(&sb, &cid, "offset=0&stream=combined").await;
+    let (chunks, end) = s.output(&sb, &cid, OutputQuery::default()).await;
     assert!(end.is_some());
     let mut next = None;
     for ch in &chunks {
-        let off = ch["offset"].as_u64().unwrap();
         if let Some(n) = next {
-            assert_eq!(off, n, "a gap or overlap in the replay");
+            assert_eq!(ch.offset, n, "a gap or overlap in the replay");
         }
-        next = Some(off + super::common::decode(std::slice::from_ref(ch), None).len() as u64);
+        next = Some(ch.offset + ch.data.len() as u64);
     }
     assert_eq!(next, Some(1_200_000));
     s.destroy(&sb).await;
@@ -148,9 +148,9 @@ async fn a_sandboxs_commands_share_one_output_budget() {
         .await;
     assert_eq!(first["result"]["output_truncated"], true, "{first}");
     // Nothing of it is readable, and nothing pretends to be.
-    let (chunks, end) = s.output(&sb, &finished[0], "offset=0").await;
+    let (chunks, end) = s.output(&sb, &finished[0], OutputQuery::default()).await;
     assert!(chunks.is_empty());
-    assert_eq!(end.unwrap()["result"]["output_truncated"], true);
+    assert!(end.unwrap().result.unwrap().output_truncated);
     s.destroy(&sb).await;
     eprintln!("hostile: output_budget passed on gvisor");
 }
