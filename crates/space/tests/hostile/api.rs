@@ -765,7 +765,7 @@ async fn a_tenant_cannot_hold_more_than_its_share_open() {
     let msg = &e.api_error().expect("an error body").message;
     assert!(msg.contains("limit is 3"), "{e}");
     // Another tenant has its own streams; a closed stream gives its slot back.
-    open(&other_c).await.unwrap();
+    drop(open(&other_c).await.unwrap());
     drop(held.pop());
     let mut ok = false;
     for _ in 0..50 {
