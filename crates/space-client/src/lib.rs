@@ -128,7 +128,11 @@ impl ClientBuilder {
         auth.set_sensitive(true);
         let http = match self.http {
             Some(h) => h,
+            // A kept-alive connection goes back unused for less than the server keeps it
+            // (its head timeout, 10 s by default): a request sent on one the server is
+            // closing at that moment would fail with nothing read.
             None => reqwest::Client::builder()
+                .pool_idle_timeout(POOL_IDLE)
                 .build()
                 .map_err(ClientError::Setup)?,
         };
@@ -141,6 +145,9 @@ impl ClientBuilder {
         })
     }
 }
+
+/// How long an idle kept-alive connection is reused.
+pub const POOL_IDLE: std::time::Duration = std::time::Duration::from_secs(4);
 
 impl Client {
     pub fn builder(url: impl Into<String>, token: impl Into<String>) -> ClientBuilder {
