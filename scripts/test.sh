@@ -6,14 +6,19 @@ cd "$(dirname "$0")/.."
 # A one-shot run gains nothing from incremental state, which would double the
 # size of target/ (CI's disk is shared and not large).
 export CARGO_INCREMENTAL=0
+stage() { echo "== test.sh $(date +%T): $*"; }
 
+stage setup
 scripts/setup.sh
+stage build
 PROFILE=debug FEATURES=test-hooks scripts/build.sh
 
+stage lints
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
 cargo clippy --workspace --all-targets --features space/test-hooks,space-agent/test-hooks -- -D warnings
 
+stage templates
 # Integration tests share one template cache; build it once up front.
 export SPACE_TEST_TEMPLATES="$PWD/target/space-test-templates"
 target/debug/space admin prepare-template busybox --templates-dir "$SPACE_TEST_TEMPLATES" --data-dir /nonexistent
@@ -22,14 +27,18 @@ target/debug/space admin prepare-template debian --templates-dir "$SPACE_TEST_TE
 # The conformance suite must run on both runtimes here: a runtime that is
 # unavailable fails the run instead of being skipped.
 export SPACE_TEST_REQUIRE_RUNTIMES=gvisor,microvm
+stage "workspace tests"
 # A production build reads no failpoint (the same test, without the feature).
 cargo test -p space-service --lib test_hooks
 cargo test --workspace --features space/test-hooks --no-fail-fast -- --test-threads 4
 
+stage "microVM pass"
 # Whole suites again with every sandbox on the microVM runtime (see docs/RUNTIMES.md for
 # the suites not repeated here, and why).
 SPACE_TEST_RUNTIME=microvm cargo test -p space --features test-hooks --test files --test disk --test restart --test cli \
   --no-fail-fast -- --test-threads 3
 
+stage schemathesis
 # The API against its own OpenAPI document: schemathesis, no 5xx (see scripts/schemathesis.sh).
 scripts/schemathesis.sh
+stage done

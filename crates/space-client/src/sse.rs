@@ -322,7 +322,10 @@ data: {"id":5,"type":"sandbox","created_at":"2024-01-01T00:00:00Z","object":{"id
             // An id line carries over to the next event (the format's last event ID):
             // an event without its own is checked against the one before.
             (
-                format!("id: 4\ndata: {}\n\ndata: {DATA_5}\n\n", DATA_5.replace(":5", ":4")),
+                format!(
+                    "id: 4\ndata: {}\n\ndata: {DATA_5}\n\n",
+                    DATA_5.replace(":5", ":4")
+                ),
                 r#"the event's id line says "4", its data "5""#,
             ),
         ] {

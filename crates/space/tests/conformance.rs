@@ -155,12 +155,7 @@ async fn files_round_trip_and_containment(rt: &str) {
     let seen = s.sh(&sb, "stat -c '%a %u %s' /tmp/up.bin").await;
     assert_eq!(seen["stdout"], "600 1000 200000\n", "{seen}");
     let down = s.client().download_file(&sb, "/tmp/up.bin").await.unwrap();
-    let body: Vec<u8> = down
-        .body
-        .map_ok(|b| b.to_vec())
-        .try_concat()
-        .await
-        .unwrap();
+    let body: Vec<u8> = down.body.map_ok(|b| b.to_vec()).try_concat().await.unwrap();
     assert_eq!(body, vec![5u8; 200_000]);
     let (st, v) = s.get(&format!("{files}/list?path=/tmp")).await;
     assert_eq!(st, 200, "{v}");

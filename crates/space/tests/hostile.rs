@@ -3730,9 +3730,7 @@ async fn unresponsive_agent(rt: &'static str) {
          FEATURES=test-hooks scripts/build.sh): {out}"
     );
     let failed = h.s.wait_state(&w, "failed", ANSWER_DEADLINE).await;
-    let reason = failed.object["failure_reason"]
-        .as_str()
-        .unwrap_or_default();
+    let reason = failed.object["failure_reason"].as_str().unwrap_or_default();
     assert!(reason.contains("agent"), "{failed:?}");
     let c = wait_cmd(&h, &w, &sleeper, Duration::from_secs(60)).await;
     assert_eq!(c["state"], "lost", "{c}");

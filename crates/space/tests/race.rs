@@ -71,7 +71,10 @@ async fn lifecycle_under_fire_loses_no_update_and_no_event() {
         let events = events.clone();
         tokio::spawn(async move {
             while let Some(Ok(ev)) = stream.next().await {
-                events.lock().unwrap().push(serde_json::to_value(ev).unwrap());
+                events
+                    .lock()
+                    .unwrap()
+                    .push(serde_json::to_value(ev).unwrap());
             }
         })
     };

@@ -418,7 +418,11 @@ impl TestServer {
         assert_eq!(op.kind, OperationKind::Destroy, "{op:?}");
         let op = self.wait_op(&op.id).await;
         assert_eq!(op["status"], "succeeded", "{op}");
-        let s = self.client().sandbox(sb).await.expect("the destroyed sandbox");
+        let s = self
+            .client()
+            .sandbox(sb)
+            .await
+            .expect("the destroyed sandbox");
         assert_eq!(s.state, SandboxState::Destroyed);
         self.assert_nothing_left(sb);
     }

@@ -482,10 +482,7 @@ async fn a_revoked_key_loses_its_open_streams() {
         follow: true,
         ..Default::default()
     };
-    let output = c
-        .command_output(&sb, &cid, &follow)
-        .await
-        .expect("output");
+    let output = c.command_output(&sb, &cid, &follow).await.expect("output");
     let log = c.build_log(&build_op, true).await.expect("build log");
     let mut streams: Vec<(&str, BoxStream<'static, Result<(), ClientError>>)> = vec![
         ("events", events.map(|r| r.map(drop)).boxed()),
