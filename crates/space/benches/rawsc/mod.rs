@@ -277,7 +277,7 @@ impl Raw {
         self.runsc_ok(&["checkpoint", "--image-path", &image, id]);
         let state = self.poll_state(id, "stopped", |s| matches!(s, None | Some("stopped")));
         if state.is_some() {
-            self.runsc_ok(&["delete", id]);
+            self.runsc_ok(&["delete", "--force", id]);
         }
         let took = t0.elapsed();
         self.wait_processes_gone(id);
