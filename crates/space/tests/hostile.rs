@@ -2258,6 +2258,8 @@ mod template_builds {
         let d = decoy.path().display().to_string();
         let host_file = PathBuf::from(format!("/tmp/spacehostile{nonce}"));
         std::fs::write(&host_file, &nonce).unwrap();
+        // Removed however the test ends.
+        let _remove = RemoveOnDrop(host_file.clone());
         let hf = host_file.display().to_string();
         let before = (host_tree(decoy.path()), std::fs::read(&host_file).unwrap());
         let untouched = |what: &str| {
@@ -3883,3 +3885,12 @@ hostile!(
     unresponsive_agent,
     usermode_helpers,
 );
+
+/// Removes a host file when dropped (a test's own marker, whatever way the test ends).
+struct RemoveOnDrop(PathBuf);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
