@@ -25,6 +25,9 @@ use super::files::{Download, DownloadFormat, UploadKind, UploadStream, Uploaded}
 use super::tenancy::{template_visible, Permit, Tenant};
 use super::{truncate, CommandOutputQuery, OutputEvent, Result, Service, ServiceError};
 
+/// Largest stdin write one call may carry.
+pub const MAX_STDIN_WRITE: usize = 1 << 20;
+
 /// The service, acting for one tenant. Cheap; make one per request.
 #[derive(Clone, Copy)]
 pub struct TenantService<'a> {
@@ -257,8 +260,15 @@ impl<'a> TenantService<'a> {
         self.svc.command_output(id, cid, q, permit)
     }
 
+    /// At most [`MAX_STDIN_WRITE`] bytes per call (413 past it), for every front door.
     pub async fn write_stdin(&self, id: &str, cid: &str, data: Bytes, eof: bool) -> Result<()> {
         self.command(id, cid)?;
+        if data.len() > MAX_STDIN_WRITE {
+            return Err(ServiceError::Api(ApiError::new(
+                ErrorCode::BodyTooLarge,
+                format!("at most {MAX_STDIN_WRITE} bytes of stdin per request"),
+            )));
+        }
         self.svc.write_stdin(id, cid, data, eof).await
     }
 

@@ -217,7 +217,7 @@ fn stream_name(s: Stream) -> &'static str {
 }
 
 /// Largest body of one `POST …/stdin`.
-const MAX_STDIN_BODY: usize = 1 << 20;
+const MAX_STDIN_BODY: usize = space_service::MAX_STDIN_WRITE;
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
