@@ -246,6 +246,12 @@ pub trait Runtime: Send + Sync + 'static {
     async fn wake_agent(&self, _id: &str) -> Result<(), RuntimeError> {
         Ok(())
     }
+    /// The end of the sandbox's console (its agent's own notes and the runtime's), for the
+    /// server's log when the sandbox misbehaves; `None` where the runtime keeps none. Text
+    /// from inside the sandbox: bounded and printable, but untrusted.
+    fn console_tail(&self, _state_dir: &std::path::Path) -> Option<String> {
+        None
+    }
     /// Why a sandbox that stopped by itself stopped, when the runtime can tell
     /// (asked before its remains are cleaned up).
     fn stop_reason(&self, _id: &str) -> Option<String> {

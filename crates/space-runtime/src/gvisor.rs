@@ -31,7 +31,7 @@ use tokio::process::Command;
 mod step;
 
 use crate::lend::{self, Lent};
-use crate::process::{self, tail_text, Backoff, Kill};
+use crate::process::{self, tail_text, Backoff, Kill, CONSOLE_LOG};
 use crate::{disk, net};
 
 /// Where the agent binary's directory is mounted inside the sandbox.
@@ -62,8 +62,6 @@ const CGROUP_PARENT: &str = "space";
 /// What `runsc checkpoint` writes last into its image directory (memory, processes and the
 /// writable layer).
 const CHECKPOINT_FILE: &str = "checkpoint.img";
-/// The agent's stdout and stderr, in the sandbox's log directory.
-pub const CONSOLE_LOG: &str = "console.log";
 
 /// The `gvisor` runtime.
 #[derive(Debug, Clone)]
@@ -365,6 +363,10 @@ impl Runtime for GvisorRuntime {
         )
         .await?;
         Ok(())
+    }
+
+    fn console_tail(&self, state_dir: &Path) -> Option<String> {
+        Some(process::console_tail(state_dir, 2000))
     }
 
     async fn wake_agent(&self, id: &str) -> Result<(), RuntimeError> {

@@ -63,7 +63,7 @@ use tokio::process::Command;
 use qmp::{Qmp, QmpError};
 
 use crate::net;
-use crate::process::{self, tail_text, Backoff, Kill};
+use crate::process::{self, Backoff, Kill, CONSOLE_LOG};
 
 /// Files of the guest directory.
 pub const GUEST_KERNEL: &str = "vmlinuz";
@@ -80,7 +80,6 @@ const QMP_SOCKET: &str = "qmp.sock";
 /// A second QMP monitor for `status` and `stop`: a QMP socket serves one client at a time,
 /// and these must not wait behind a long checkpoint.
 const STATUS_SOCKET: &str = "status.sock";
-const CONSOLE_LOG: &str = "console.log";
 const QEMU_LOG: &str = "qemu.log";
 /// The memory file of a checkpoint, in its image directory.
 pub const MEMORY_FILE: &str = "memory";
@@ -685,7 +684,7 @@ impl Runtime for MicrovmRuntime {
                     message: format!(
                         "microVM {}: the guest's agent did not open its port ({e}); console: {}",
                         spec.id,
-                        console_tail(state)
+                        process::console_tail(state, 600)
                     ),
                 });
             }
@@ -902,6 +901,10 @@ impl Runtime for MicrovmRuntime {
             return Err(e);
         }
         Ok(())
+    }
+
+    fn console_tail(&self, state_dir: &Path) -> Option<String> {
+        Some(process::console_tail(state_dir, 2000))
     }
 
     fn resident_bytes(&self, _id: &str, state_dir: &Path) -> Option<u64> {
@@ -1222,17 +1225,6 @@ fn qmp_failed(id: &str, e: QmpError) -> RuntimeError {
         tool: "qemu qmp".into(),
         message: format!("microVM {id}: {e}"),
     }
-}
-
-/// The end of a sandbox's serial console, for error messages (the guest's own words).
-fn console_tail(state_dir: &Path) -> String {
-    let log =
-        std::fs::read(state_dir.join(crate::lend::LOG_DIR).join(CONSOLE_LOG)).unwrap_or_default();
-    let text = tail_text(&log, 600);
-    // Guest bytes: printable only.
-    text.chars()
-        .map(|c| if c.is_control() && c != '\n' { '?' } else { c })
-        .collect()
 }
 
 #[cfg(test)]

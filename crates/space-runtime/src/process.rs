@@ -171,6 +171,21 @@ pub(crate) fn tail_text(bytes: &[u8], max: usize) -> String {
     String::from_utf8_lossy(&bytes[start..]).trim().to_string()
 }
 
+/// The file in a sandbox's log tmpfs ([`crate::lend::LOG_DIR`]) that takes its PID 1's
+/// console: the agent's own notes, and the runtime's (runsc's, QEMU's serial port).
+pub(crate) const CONSOLE_LOG: &str = "console.log";
+
+/// The end of a sandbox's console, for logs and error messages. The bytes come from inside
+/// the sandbox: printable text only, at most `max` bytes of it.
+pub(crate) fn console_tail(state_dir: &Path, max: usize) -> String {
+    let log =
+        std::fs::read(state_dir.join(crate::lend::LOG_DIR).join(CONSOLE_LOG)).unwrap_or_default();
+    tail_text(&log, max)
+        .chars()
+        .map(|c| if c.is_control() && c != '\n' { '?' } else { c })
+        .collect()
+}
+
 /// Kills a process group when dropped, so a cancelled future leaves nothing of a tool (apt,
 /// dpkg) running behind it.
 pub(crate) struct KillGroupOnDrop(Option<libc::pid_t>);

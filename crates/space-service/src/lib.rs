@@ -612,17 +612,20 @@ impl Service {
         })
         .map_err(internal)?;
         let mut rx = handle.agent.subscribe();
-        let conn = agent::wait_connected(&mut rx, AGENT_CONNECT_TIMEOUT)
-            .await
-            .map_err(|_| {
-                ApiError::new(
+        let conn = match agent::wait_connected(&mut rx, AGENT_CONNECT_TIMEOUT).await {
+            Ok(conn) => conn,
+            Err(_) => {
+                self.log_silent_agent(id, "a created sandbox's agent never dialled in")
+                    .await;
+                return Err(ApiError::new(
                     ErrorCode::AgentTimeout,
                     format!(
                         "the sandbox's agent did not connect within {}s",
                         AGENT_CONNECT_TIMEOUT.as_secs()
                     ),
-                )
-            })?;
+                ));
+            }
+        };
         network::write_hosts(&conn, &rec.sandbox.network).await?;
         let ready = |rec: &mut SandboxRecord| -> Result<(), ApiError> {
             rec.sandbox.state = transition(rec.sandbox.state, SandboxEvent::Ready)

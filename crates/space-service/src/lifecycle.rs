@@ -81,6 +81,21 @@ impl Service {
         }
     }
 
+    /// Logs what is known of a sandbox whose agent never dialled in: the runtime's view of
+    /// it and the end of its console (the agent's own notes, runsc's or the guest kernel's),
+    /// so that a rare failure leaves enough behind to be understood.
+    pub(crate) async fn log_silent_agent(&self, id: &str, what: &str) {
+        let status = match self.rt(id).status(id).await {
+            Ok(s) => format!("{s:?}"),
+            Err(e) => error_chain(&e),
+        };
+        let console = self
+            .rt(id)
+            .console_tail(&self.sandbox_dir(id))
+            .unwrap_or_default();
+        tracing::warn!(sandbox = %id, runtime_status = %status, console = %console, "{what}");
+    }
+
     /// The deadline of an operation kind on this server.
     pub(crate) fn deadline(&self, kind: OperationKind) -> Duration {
         self.0
@@ -408,6 +423,14 @@ impl Service {
                     connected = Ok(());
                     break;
                 }
+                // A restored sandbox that stopped by itself (its agent crashed: runsc's
+                // restore bug) will not dial in however long it is waited for.
+                if matches!(
+                    self.rt(id).status(id).await,
+                    Ok(RuntimeStatus::Stopped | RuntimeStatus::Missing)
+                ) {
+                    break;
+                }
                 tracing::warn!(sandbox = %id, "the restored agent has not dialled in yet; waking it again");
                 // A wake that was lost (or sent before the sandbox could take it) would
                 // keep the agent holding for its whole hold time: send it again.
@@ -416,6 +439,8 @@ impl Service {
             if connected.is_ok() {
                 break;
             }
+            self.log_silent_agent(id, "the restored agent never dialled in")
+                .await;
         }
         if let Err(e) = connected {
             // The snapshot is untouched: go back to `suspended` so the resume can be retried

@@ -227,7 +227,41 @@ async fn resources_are_applied(rt: &str) {
 
 async fn pause_and_suspend_cycles_keep_processes_and_files(rt: &str) {
     let Some(s) = server(rt).await else { return };
-    let sb = create(&s, rt, json!({"env": {"KEPT": "yes"}})).await;
+    // runsc (2024-07-29, systrap) now and then writes a checkpoint that never restores
+    // (docs/SECURITY.md, known gaps; `tests/race.rs` bounds how often). That resume must
+    // fail cleanly: `agent_timeout`, the sandbox `suspended` again and nothing of it left
+    // running. Then the cycles start over once on a new sandbox. QEMU has no such bug.
+    let attempts = if rt == "gvisor" { 2 } else { 1 };
+    for attempt in 0..attempts {
+        let Err((sb, op)) = pause_and_suspend_cycles(&s, rt).await else {
+            return;
+        };
+        assert_eq!(op["error"]["code"], "agent_timeout", "{op}\n{}", s.log());
+        let (_, v) = s.get(&format!("/v1/sandboxes/{sb}")).await;
+        assert_eq!(v["state"], "suspended", "{v}");
+        assert!(sandbox_processes(&sb).is_empty());
+        eprintln!("conformance: attempt {attempt}: the snapshot did not restore: {op}");
+        s.destroy(&sb).await;
+    }
+    panic!("{attempts} snapshots in a row did not restore\n{}", s.log());
+}
+
+/// The sandbox's own processes (not a passing `runsc state` from the server).
+fn sandbox_processes(sb: &str) -> Vec<(i32, String)> {
+    common::processes_mentioning(sb)
+        .into_iter()
+        .filter(|(_, a)| {
+            a.starts_with("runsc-sandbox")
+                || a.starts_with("runsc-gofer")
+                || a.contains("qemu-system")
+        })
+        .collect()
+}
+
+/// One pause and five suspend cycles on a new sandbox; `Err((sandbox, operation))` when a
+/// resume from a snapshot failed (the sandbox is left for the caller to look at).
+async fn pause_and_suspend_cycles(s: &TestServer, rt: &str) -> Result<(), (String, Value)> {
+    let sb = create(s, rt, json!({"env": {"KEPT": "yes"}})).await;
     let (st, counter) = s
         .post(
             &format!("/v1/sandboxes/{sb}/commands"),
@@ -238,7 +272,7 @@ async fn pause_and_suspend_cycles_keep_processes_and_files(rt: &str) {
     let counter = counter["id"].as_str().unwrap().to_string();
 
     op_ok(
-        &s,
+        s,
         s.post(&format!("/v1/sandboxes/{sb}/pause"), json!({}))
             .await,
     )
@@ -247,7 +281,7 @@ async fn pause_and_suspend_cycles_keep_processes_and_files(rt: &str) {
     assert_eq!(v["state"], "paused");
     assert!(v["cost"]["memory_bytes"].as_u64().unwrap_or(0) > 0, "{v}");
     op_ok(
-        &s,
+        s,
         s.post(&format!("/v1/sandboxes/{sb}/resume"), json!({}))
             .await,
     )
@@ -262,7 +296,7 @@ async fn pause_and_suspend_cycles_keep_processes_and_files(rt: &str) {
             .await;
         assert_eq!(cmd["stdout"], "yes\n", "{cmd}");
         op_ok(
-            &s,
+            s,
             s.post(&format!("/v1/sandboxes/{sb}/suspend"), json!({}))
                 .await,
         )
@@ -270,25 +304,20 @@ async fn pause_and_suspend_cycles_keep_processes_and_files(rt: &str) {
         let (_, v) = s.get(&format!("/v1/sandboxes/{sb}")).await;
         assert_eq!(v["state"], "suspended");
         assert!(v["cost"]["snapshot_bytes"].as_u64().unwrap_or(0) > 0, "{v}");
-        // The sandbox's own processes (not a passing `runsc state` from the server).
-        let left: Vec<_> = common::processes_mentioning(&sb)
-            .into_iter()
-            .filter(|(_, a)| {
-                a.starts_with("runsc-sandbox")
-                    || a.starts_with("runsc-gofer")
-                    || a.contains("qemu-system")
-            })
-            .collect();
+        let left = sandbox_processes(&sb);
         assert!(
             left.is_empty(),
             "a suspended sandbox keeps no process: {left:?}"
         );
-        op_ok(
-            &s,
-            s.post(&format!("/v1/sandboxes/{sb}/resume"), json!({}))
-                .await,
-        )
-        .await;
+        let (st, op) = s
+            .post(&format!("/v1/sandboxes/{sb}/resume"), json!({}))
+            .await;
+        assert_eq!(st, 202, "{op}");
+        let done = s.wait_op(op["id"].as_str().unwrap()).await;
+        if done["status"] == "failed" {
+            return Err((sb, done));
+        }
+        assert_eq!(done["status"], "succeeded", "{done}\n{}", s.log());
         let all: String = (0..=cycle).map(|k| format!("cycle-{k}\n")).collect();
         let listing: Vec<String> = (0..=cycle).map(|k| format!("/root/f{k}")).collect();
         let cmd = s.sh(&sb, &format!("cat {}", listing.join(" "))).await;
@@ -315,6 +344,7 @@ async fn pause_and_suspend_cycles_keep_processes_and_files(rt: &str) {
         "gap in {numbers:?}"
     );
     s.destroy(&sb).await;
+    Ok(())
 }
 
 async fn a_killed_server_readopts_and_cleans_up(rt: &str) {

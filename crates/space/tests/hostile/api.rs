@@ -729,6 +729,9 @@ async fn cloud_metadata_addresses_are_refused_without_echoing_names() {
     eprintln!("hostile: cloud_metadata_egress passed");
 }
 
+/// How long a let-go slot may take to come back before the test calls it lost.
+const SLOT_BACK_WITHIN: Duration = Duration::from_secs(60);
+
 /// Per-tenant caps (issue 11, point 5): open streams, template builds and large bodies
 /// in flight are each bounded per tenant (429 with the reason), other tenants are not
 /// affected, and a slot comes back when it is let go.
@@ -764,8 +767,11 @@ async fn a_tenant_cannot_hold_more_than_its_share_open() {
     // Another tenant has its own streams; a closed stream gives its slot back.
     drop(open(&other_c).await.unwrap());
     drop(held.pop());
+    // The server notices the closed stream on its own time: a loaded machine (CI) may
+    // take a few seconds.
     let mut ok = false;
-    for _ in 0..50 {
+    let since = std::time::Instant::now();
+    while since.elapsed() < SLOT_BACK_WITHIN {
         match open(&greedy_c).await {
             Ok(stream) => {
                 held.push(stream);
@@ -875,7 +881,8 @@ async fn a_tenant_cannot_hold_more_than_its_share_open() {
     slow.write_all(&[b'x'; 997]).await.unwrap();
     drop(slow);
     let mut ok = false;
-    for _ in 0..50 {
+    let since = std::time::Instant::now();
+    while since.elapsed() < SLOT_BACK_WITHIN {
         let (st, _) = call(
             &s,
             &greedy,
