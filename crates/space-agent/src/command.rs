@@ -642,12 +642,27 @@ async fn readable(p: Option<&Source>) -> std::io::Result<()> {
 
 /// Moves a command's output from its pipes (or terminal) into its retained queue
 /// until the command has ended (see [`Cmd::ended`]) and they are drained, then finishes it.
-pub async fn pump(cmd: Arc<Cmd>, stdout: Option<Source>, stderr: Option<Source>) {
+///
+/// While the agent is quiesced (`quiet`: a checkpoint may be taken) the pump reads
+/// nothing: no thread of the agent wakes for a command's output, and a command that
+/// writes blocks on a full pipe, asleep in the kernel, where a checkpoint saves it right
+/// (see [`crate::http::Quiet`]). Nothing is lost: the pipe keeps it until the agent is woken.
+pub async fn pump(
+    cmd: Arc<Cmd>,
+    stdout: Option<Source>,
+    stderr: Option<Source>,
+    agent: Arc<crate::http::Agent>,
+) {
+    let quiet = &agent.quiet;
     let mut pipes = [stdout, stderr];
     let mut buf = vec![0u8; MAX_DATA_CHUNK];
 
     // While the command runs: read whatever arrives, as retention allows.
     while !cmd.ended.is_cancelled() {
+        if quiet.is_on() {
+            park_while_quiet(&mut pipes, quiet).await;
+            continue;
+        }
         let room = cmd.rooms();
         let blocked = (0..2).any(|s| pipes[s].is_some() && room[s] == 0);
         let ready = tokio::select! {
@@ -656,6 +671,7 @@ pub async fn pump(cmd: Arc<Cmd>, stdout: Option<Source>, stderr: Option<Source>)
             _ = cmd.space.notified(), if blocked => None,
             _ = cmd.ended.cancelled() => None,
             _ = cmd.forgotten.cancelled() => return,
+            _ = quiet.entered() => None,
         };
         let Some((s, r)) = ready else { continue };
         let read = match (&pipes[s], r) {
@@ -674,6 +690,7 @@ pub async fn pump(cmd: Arc<Cmd>, stdout: Option<Source>, stderr: Option<Source>)
 
     // The command is over: take what is already in the pipes, without waiting
     // for background children that may hold them open.
+    quiet.off().await;
     for (s, slot) in pipes.iter_mut().enumerate() {
         let Some(p) = slot.take() else { continue };
         let mut drained = 0usize;
@@ -696,6 +713,31 @@ pub async fn pump(cmd: Arc<Cmd>, stdout: Option<Source>, stderr: Option<Source>)
         }
     }
     cmd.finish();
+}
+
+/// Takes a command's pipes out of the runtime's epoll until the agent is woken: output
+/// arriving meanwhile wakes no thread of the agent (a tokio worker woken by an event runs
+/// the agent's code, reading the clock, and runsc was seen to save such a thread with
+/// registers it cannot have had: every restore of that image crashed the agent). A
+/// terminal stays registered (its master is shared with the stdin writer) and is only not
+/// read.
+async fn park_while_quiet(pipes: &mut [Option<Source>; 2], quiet: &crate::http::Quiet) {
+    let mut parked: [Option<std::os::fd::OwnedFd>; 2] = [None, None];
+    for (slot, parked) in pipes.iter_mut().zip(parked.iter_mut()) {
+        if matches!(slot, Some(Source::Pipe(_))) {
+            if let Some(Source::Pipe(p)) = slot.take() {
+                // Err: the descriptor is gone with it, as at end of file.
+                *parked = p.into_nonblocking_fd().ok();
+            }
+        }
+    }
+    quiet.off().await;
+    for (slot, fd) in pipes.iter_mut().zip(parked) {
+        if let Some(fd) = fd {
+            // Registered again, data already in the pipe is reported at once.
+            *slot = pipe::Receiver::from_owned_fd(fd).ok().map(Source::Pipe);
+        }
+    }
 }
 
 /// Sends a command's output from `cursor` on, then its exit, as encoded frames

@@ -95,7 +95,7 @@ impl Quiet {
         self.entered.notified().await;
     }
 
-    fn is_on(&self) -> bool {
+    pub(crate) fn is_on(&self) -> bool {
         *self.on.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -353,7 +353,7 @@ async fn spawn_command(agent: Arc<Agent>, body: Incoming) -> Response<Body> {
                 cmd.set_stdin(command::start_stdin_writer(&cmd, Sink::Pty(pty.clone())));
                 out = Some(Source::Pty(pty));
             }
-            tokio::spawn(command::pump(cmd.clone(), out, err));
+            tokio::spawn(command::pump(cmd.clone(), out, err, agent.clone()));
             let after = timeout.map(|ms| Duration::from_millis(ms).min(MAX_TIMEOUT));
             tokio::spawn(lifetime(agent.clone(), cmd.clone(), after));
             json(StatusCode::OK, &SpawnReply { pid })
