@@ -223,6 +223,18 @@ async fn resources_are_applied(rt: &str) {
         assert!(text.contains("0::/space-commands"), "{escape}");
     }
     s.destroy(&sb).await;
+    // Round sizes boot too: a microVM of exactly 2 GiB once never did (see
+    // `guest_ram_mib` in the microVM driver).
+    let sb = create(&s, rt, json!({"resources": {"memory_mib": 2048}})).await;
+    let out = s
+        .sh(&sb, "awk '/MemTotal/ {print int($2/1024)}' /proc/meminfo")
+        .await;
+    let mem: u64 = out["stdout"].as_str().unwrap().trim().parse().unwrap();
+    assert!(
+        (1800..=2049).contains(&mem),
+        "MemTotal {mem} MiB for 2048: {out}"
+    );
+    s.destroy(&sb).await;
 }
 
 async fn pause_and_suspend_cycles_keep_processes_and_files(rt: &str) {

@@ -889,3 +889,181 @@ async fn debian_base_with_extra_packages() {
     remove_layers_of(&[&name]);
     assert_no_build_left(&s);
 }
+
+/// No build VM of this server is left: no QEMU process of its build VMs' directories, no
+/// directory or marker of one.
+fn assert_no_build_vm_left(s: &TestServer) {
+    let vms = s.data_dir().join("microvm/vms");
+    let procs = common::processes_mentioning(&vms.join(".spacebuild-").to_string_lossy());
+    assert!(procs.is_empty(), "build VM processes remain: {procs:?}");
+    let left: Vec<String> = std::fs::read_dir(&vms)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains("spacebuild-"))
+        .collect();
+    assert!(left.is_empty(), "build VM files remain: {left:?}");
+}
+
+/// A server whose template build steps run in microVMs (`--build-runtime microvm`), or `None`
+/// when the microVM runtime is not available here (a failure where it is required).
+async fn microvm_builder(extra: &[&str]) -> Option<TestServer> {
+    {
+        let probe = TestServer::start().await;
+        if !probe.runtime_available("microvm").await {
+            return None;
+        }
+    }
+    let mut args = vec!["--build-runtime", "microvm"];
+    args.extend_from_slice(extra);
+    Some(TestServer::start_with(&args).await)
+}
+
+/// Issue 12, point 5: a host without gVisor builds templates in microVMs. The step's files
+/// come out with their owners, modes, links and hard links; `/tmp` is not kept, as under
+/// gVisor; a failing step fails the build with its log; nothing of the VMs is left.
+#[tokio::test]
+async fn build_steps_run_in_microvms() {
+    let Some(s) = microvm_builder(&[]).await else {
+        return;
+    };
+    let (name, nonce) = unique("vmbuild");
+    let (op, log) = build(
+        &s,
+        json!({"name": name, "base": "busybox", "steps": [
+            {"run": format!("mkdir -p /opt/app && echo {nonce} > /opt/app/data && chown 1234:5678 /opt/app/data && chmod 640 /opt/app/data")},
+            {"run": "ln -s data /opt/app/link && ln /opt/app/data /opt/app/hard && chmod 4755 /bin/busybox; echo scratch > /tmp/scratch; uname -r; echo to-stderr >&2"},
+            {"run": "test \"$(pwd)\" = /etc && test \"$HOME\" = /root && test \"$BUILT_WITH\" = microvm && echo step-env-ok"}
+        ], "env": {"BUILT_WITH": "microvm"}, "workdir": "/etc"}),
+    )
+    .await;
+    assert_eq!(op["status"], "succeeded", "{op}\n{log}");
+    assert!(log.contains("==> microVM spacebuild-"), "{log}");
+    assert!(
+        log.contains("to-stderr") && log.contains("step-env-ok"),
+        "{log}"
+    );
+    assert_no_build_vm_left(&s);
+
+    // The template runs where sandboxes run (gVisor here), with what the steps left.
+    let sb = s.create_with(json!({"template": name})).await;
+    let out = sh_out(
+        &s,
+        &sb,
+        "cat /opt/app/data; stat -c '%u:%g %a' /opt/app/data; readlink /opt/app/link; \
+         stat -c '%h' /opt/app/hard; stat -c '%a' /bin/busybox; ls -A /tmp; \
+         test -e /lost+found && echo lost+found; echo end",
+    )
+    .await;
+    assert_eq!(
+        out,
+        format!("{nonce}\n1234:5678 640\ndata\n2\n4755\nend\n"),
+        "the layer's files"
+    );
+    s.destroy(&sb).await;
+
+    // A failing step: its exit code and log tail, nothing published, no VM left.
+    let (bad, _) = unique("vmfail");
+    let (op, log) = build(
+        &s,
+        json!({"name": bad, "base": "busybox", "steps": [
+            {"run": format!("echo about-to-fail {nonce}; echo oops >&2; exit 7")}
+        ]}),
+    )
+    .await;
+    assert_eq!(op["status"], "failed", "{op}");
+    assert_eq!(op["error"]["code"], "build_failed");
+    let msg = op["error"]["message"].as_str().unwrap();
+    assert!(
+        msg.contains("exited with code 7") && msg.contains("oops"),
+        "{msg}"
+    );
+    assert!(log.contains("about-to-fail"), "{log}");
+    assert!(template(&s, &bad).await.is_none());
+    assert_no_build_vm_left(&s);
+
+    delete_template(&s, &name).await;
+    remove_layers_of(&[&name, &bad]);
+}
+
+/// The build limits hold in a microVM too: a step past its timeout is killed, a step that
+/// leaves more than the disk quota fails (sparse files count), and each leaves nothing.
+#[tokio::test]
+async fn microvm_build_steps_keep_their_limits() {
+    let Some(s) = microvm_builder(&[
+        "--build-step-timeout-seconds",
+        "20",
+        "--build-disk-mib",
+        "64",
+    ])
+    .await
+    else {
+        return;
+    };
+    let (slow, nonce) = unique("vmslow");
+    let (op, _) = build(
+        &s,
+        json!({"name": slow, "base": "busybox", "steps": [
+            {"run": format!("echo {nonce}; sleep 600")}
+        ]}),
+    )
+    .await;
+    assert_eq!(op["status"], "failed", "{op}");
+    let msg = op["error"]["message"].as_str().unwrap();
+    assert!(msg.contains("timeout"), "{msg}");
+    assert_no_build_vm_left(&s);
+
+    let (big, nonce) = unique("vmbig");
+    let (op, log) = build(
+        &s,
+        json!({"name": big, "base": "busybox", "steps": [
+            {"run": format!("echo {nonce}; truncate -s 1G /sparse")}
+        ]}),
+    )
+    .await;
+    assert_eq!(op["status"], "failed", "{op}\n{log}");
+    let msg = op["error"]["message"].as_str().unwrap();
+    assert!(msg.contains("MiB more file data"), "{msg}");
+    assert!(template(&s, &big).await.is_none());
+    assert_no_build_vm_left(&s);
+    remove_layers_of(&[&slow, &big]);
+}
+
+/// A server killed in the middle of a microVM build step: the restarted server removes the
+/// VM (its QEMU outlives the server) and fails the build.
+#[tokio::test]
+async fn a_server_killed_mid_microvm_build_leaves_no_vm() {
+    let Some(mut s) = microvm_builder(&[]).await else {
+        return;
+    };
+    let (name, nonce) = unique("vmcrash");
+    let (status, op) = s
+        .post(
+            "/v1/templates",
+            json!({"name": name, "base": "busybox", "steps": [
+                {"run": format!("echo {nonce}; echo step-running; sleep 600")}
+            ]}),
+        )
+        .await;
+    assert_eq!(status, 202, "{op}");
+    let op_id = op["id"].as_str().unwrap().to_string();
+    let mut log = s.client().build_log(&op_id, true).await.unwrap();
+    let mut seen = String::new();
+    while !seen.contains("step-running\n") {
+        let chunk = log.next().await.expect("log ended early").unwrap();
+        seen.push_str(&String::from_utf8_lossy(&chunk));
+    }
+    drop(log);
+    let vms = s.data_dir().join("microvm/vms");
+    assert!(
+        !common::processes_mentioning(&vms.join(".spacebuild-").to_string_lossy()).is_empty(),
+        "the step's VM runs"
+    );
+    s.kill_and_restart();
+    let op = s.wait_op(&op_id).await;
+    assert_eq!(op["status"], "failed", "{op}");
+    assert!(template(&s, &name).await.is_none());
+    assert_no_build_vm_left(&s);
+    remove_layers_of(&[&name]);
+}

@@ -31,6 +31,22 @@ pub async fn rootfs_image(images_dir: &Path, rootfs: &Path) -> Result<PathBuf, R
     if image.is_file() {
         return Ok(image);
     }
+    let tmp = temp_path(&image);
+    let mib = make_image(rootfs, &tmp).await?;
+    finish(&tmp, &image)?;
+    tracing::info!(image = %image.display(), rootfs = %rootfs.display(), mib, "made a template disk image");
+    Ok(image)
+}
+
+/// Makes an ext4 image of `rootfs` at `out` (not cached: a build step's own disk, removed
+/// with the step). Returns its size in MiB.
+pub async fn private_image(rootfs: &Path, out: &Path) -> Result<u64, RuntimeError> {
+    make_image(rootfs, out).await
+}
+
+/// Writes the ext4 image of `rootfs` to `out` (removed again when that fails); its size
+/// in MiB.
+async fn make_image(rootfs: &Path, out: &Path) -> Result<u64, RuntimeError> {
     let root = rootfs.to_path_buf();
     let (bytes, inodes) = tokio::task::spawn_blocking(move || tree_usage(&root))
         .await
@@ -39,7 +55,6 @@ pub async fn rootfs_image(images_dir: &Path, rootfs: &Path) -> Result<PathBuf, R
     // Enough inodes for the template and for what sandboxes add; resize2fs in the guest
     // keeps the per-group ratio when it grows the filesystem.
     let inodes = ((mib << 20) / BYTES_PER_INODE).max(inodes + inodes / 3 + 2048);
-    let tmp = temp_path(&image);
     let made = run_tool(
         "mkfs.ext4",
         Command::new("mkfs.ext4")
@@ -59,17 +74,15 @@ pub async fn rootfs_image(images_dir: &Path, rootfs: &Path) -> Result<PathBuf, R
             .arg(inodes.to_string())
             .arg("-d")
             .arg(rootfs)
-            .arg(&tmp)
+            .arg(out)
             .arg(format!("{mib}M")),
     )
     .await;
     if let Err(e) = made {
-        let _ = std::fs::remove_file(&tmp);
+        let _ = std::fs::remove_file(out);
         return Err(e);
     }
-    finish(&tmp, &image)?;
-    tracing::info!(image = %image.display(), rootfs = %rootfs.display(), mib, "made a template disk image");
-    Ok(image)
+    Ok(mib)
 }
 
 /// Makes the per-sandbox qcow2 overlay of `image`, `size_mib` MiB virtual (the sandbox's disk).
