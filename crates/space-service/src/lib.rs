@@ -20,7 +20,7 @@ mod reconcile;
 mod retention;
 pub mod runtimes;
 mod scope;
-pub use scope::MAX_STDIN_WRITE;
+pub use scope::{EventFeed, TenantService, MAX_STDIN_WRITE};
 mod snapshot;
 mod templates;
 pub mod tenancy;

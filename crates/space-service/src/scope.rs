@@ -339,11 +339,6 @@ impl<'a> TenantService<'a> {
         self.svc.remove_file(id, path, recursive).await
     }
 
-    /// A slot for one long-lived response (429 past the tenant's limit).
-    pub fn admit_stream(&self) -> Result<Permit> {
-        self.svc.admit_stream(self.tenant)
-    }
-
     // ---- operations ----
 
     /// The operation once it has ended, or as it is after `wait`.
@@ -480,11 +475,60 @@ impl<'a> TenantService<'a> {
     // ---- events ----
 
     /// The tenant's events after `after`, oldest first, at most `limit`.
+    /// The tenant's event feed after event `after` (`None`: from now on). It holds one of the
+    /// tenant's stream slots for as long as it lives (429 past the tenant's limit).
+    pub fn event_feed(&self, after: Option<i64>) -> Result<EventFeed> {
+        let permit = self.svc.admit_stream(self.tenant)?;
+        let mut latest = self.svc.subscribe_events();
+        let after = after.unwrap_or_else(|| *latest.borrow_and_update());
+        Ok(EventFeed {
+            svc: self.svc.clone(),
+            tenant: self.tenant.clone(),
+            latest,
+            after,
+            _permit: permit,
+        })
+    }
+
     pub fn events_after(&self, after: i64, limit: usize) -> Result<Vec<Event>> {
         Ok(self
             .svc
             .0
             .store
             .events_after(self.tenant.as_str(), after, limit)?)
+    }
+}
+
+/// A tenant's events as they happen (see [`TenantService::event_feed`]).
+pub struct EventFeed {
+    svc: Service,
+    tenant: Tenant,
+    latest: tokio::sync::watch::Receiver<i64>,
+    after: i64,
+    _permit: Permit,
+}
+
+impl EventFeed {
+    /// The next events, at most `limit`, in order; waits up to `idle` for one (empty: none
+    /// came). Cancel-safe: an event is passed over only once it has been returned.
+    pub async fn next(&mut self, limit: usize, idle: Duration) -> Result<Vec<Event>> {
+        let deadline = tokio::time::Instant::now() + idle;
+        loop {
+            self.latest.borrow_and_update();
+            let events = self
+                .svc
+                .for_tenant(&self.tenant)
+                .events_after(self.after, limit)?;
+            if let Some(last) = events.last() {
+                self.after = last.id;
+                return Ok(events);
+            }
+            tokio::select! {
+                changed = self.latest.changed() => if changed.is_err() {
+                    return Err(ServiceError::Unavailable("the server is stopping".into()));
+                },
+                _ = tokio::time::sleep_until(deadline) => return Ok(Vec::new()),
+            }
+        }
     }
 }

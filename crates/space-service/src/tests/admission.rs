@@ -271,3 +271,50 @@ async fn the_build_limit_refuses_before_anything_is_recorded() {
         .await
         .unwrap();
 }
+
+/// `GET /v1/events` through the service: an event feed holds one of the tenant's stream
+/// slots for its life (a feed past the limit is a 429), passes over nothing, in order, and
+/// answers empty when nothing happened within its wait.
+#[tokio::test]
+async fn an_event_feed_holds_a_stream_slot_and_misses_nothing() {
+    let bed = TestBed::new();
+    bed.add_template("tiny");
+    let svc = bed.start_with(|c| c.limits.max_streams = 1).await;
+    let tenant = me();
+    let scope = svc.for_tenant(&tenant);
+    let mut feed = scope.event_feed(None).expect("a first feed");
+    match scope.event_feed(None) {
+        Err(ServiceError::TooMany { .. }) => {}
+        Err(e) => panic!("a second feed past the limit of 1: {e}"),
+        Ok(_) => panic!("a second feed past the limit of 1 was admitted"),
+    }
+    let idle = std::time::Duration::from_millis(50);
+    assert!(
+        feed.next(10, idle).await.unwrap().is_empty(),
+        "nothing happened yet"
+    );
+
+    // Events enough: a create the runtime fails (its sandbox and operation change a few times).
+    bed.fake.fail(Op::Create, "no room");
+    let op = scope.create_sandbox(create_req()).await.expect("create");
+    ended(&svc, &op.id).await;
+    let mut seen = Vec::new();
+    loop {
+        let batch = feed.next(2, idle).await.unwrap();
+        if batch.is_empty() {
+            break;
+        }
+        assert!(batch.len() <= 2);
+        seen.extend(batch);
+    }
+    let all = bed.store.events_after(tenant.as_str(), 0, 10_000).unwrap();
+    assert!(!all.is_empty());
+    assert_eq!(
+        seen.iter().map(|e| e.id).collect::<Vec<_>>(),
+        all.iter().map(|e| e.id).collect::<Vec<_>>(),
+        "every event after the feed opened, once, in order"
+    );
+    drop(feed);
+    let again = scope.event_feed(Some(0)).expect("the slot is back");
+    drop(again);
+}

@@ -61,18 +61,16 @@ pub async fn stream(
             )
         }
     };
-    let service = st.service.clone();
-    let hold = match service.for_tenant(&tenant).admit_stream() {
-        Ok(p) => p,
+    let mut feed = match st
+        .service
+        .for_tenant(&tenant)
+        .event_feed(last_event_id.or(q.after))
+    {
+        Ok(feed) => feed,
         Err(e) => return super::HttpError(e).into_response(),
     };
-    let mut latest = service.subscribe_events();
-    let mut after = last_event_id
-        .or(q.after)
-        .unwrap_or_else(|| *latest.borrow_and_update());
     let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(16);
     tokio::spawn(async move {
-        let _hold = hold;
         // Tell the client how long to wait before reconnecting.
         if tx
             .send(Bytes::from_static(b"retry: 1000\n\n"))
@@ -82,31 +80,30 @@ pub async fn stream(
             return;
         }
         loop {
-            latest.borrow_and_update();
-            let events = match service.for_tenant(&tenant).events_after(after, BATCH) {
-                Ok(e) => e,
-                Err(_) => return,
+            let events = tokio::select! {
+                events = feed.next(BATCH, HEARTBEAT) => match events {
+                    Ok(events) => events,
+                    Err(_) => return,
+                },
+                // A client that went away gives its stream slot back at once.
+                _ = tx.closed() => return,
             };
-            let full = events.len() == BATCH;
+            if events.is_empty() {
+                if tx
+                    .send(Bytes::from_static(b": keepalive\n\n"))
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
+                continue;
+            }
             for e in events {
-                after = e.id;
                 let data = serde_json::to_string(&e).unwrap_or_default();
                 let frame = format!("id: {}\nevent: {}\ndata: {}\n\n", e.id, e.kind, data);
                 if tx.send(Bytes::from(frame)).await.is_err() {
                     return;
                 }
-            }
-            if full {
-                continue;
-            }
-            tokio::select! {
-                r = latest.changed() => if r.is_err() { return },
-                _ = tokio::time::sleep(HEARTBEAT) => {
-                    if tx.send(Bytes::from_static(b": keepalive\n\n")).await.is_err() {
-                        return;
-                    }
-                }
-                _ = tx.closed() => return,
             }
         }
     });
