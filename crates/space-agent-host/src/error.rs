@@ -81,17 +81,7 @@ pub(crate) fn refusal(status: StatusCode, body: &[u8]) -> AgentError {
     }
 }
 
-/// At most `max` bytes of `s`, cut at a character boundary.
-pub(crate) fn truncate(s: &str, max: usize) -> &str {
-    if s.len() <= max {
-        return s;
-    }
-    let mut end = max;
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    &s[..end]
-}
+pub(crate) use space_api::truncate;
 
 #[cfg(test)]
 mod tests {

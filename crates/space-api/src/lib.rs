@@ -33,6 +33,20 @@ impl ApiError {
     }
 }
 
+/// The longest prefix of `s` that fits in `max` bytes and ends on a character boundary:
+/// how untrusted or long text (a name, an agent's message) is bounded before it goes into an
+/// error message or a log line.
+pub fn truncate(s: &str, max: usize) -> &str {
+    if s.len() <= max {
+        return s;
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
 macro_rules! string_enum {
     ($(#[$m:meta])* $name:ident { $($variant:ident => $s:literal),+ $(,)? }) => {
         $(#[$m])*

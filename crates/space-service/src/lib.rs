@@ -1094,16 +1094,7 @@ fn validate_labels(labels: &BTreeMap<String, String>) -> Result<()> {
     Ok(())
 }
 
-pub fn truncate(s: &str, max: usize) -> &str {
-    if s.len() <= max {
-        return s;
-    }
-    let mut end = max;
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    &s[..end]
-}
+pub use space_api::truncate;
 
 impl From<AgentError> for ServiceError {
     /// The agent away or not answering is a 503 the caller may retry, never a hang; what
