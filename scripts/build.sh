@@ -13,7 +13,9 @@ features=()
 if [ -n "${FEATURES:-}" ]; then
   features=(--features "$FEATURES")
 fi
-RUSTFLAGS="-C target-feature=+crt-static" cargo build --release -p space-agent \
+# Stripped: a sandbox's boot reads the agent's file and copies it into memory (see
+# space-agent's reexec_from_memory); its symbols were a fifth of it.
+RUSTFLAGS="-C target-feature=+crt-static -C strip=symbols" cargo build --release -p space-agent \
   --target x86_64-unknown-linux-gnu "${features[@]}"
 
 if [ "$profile" = release ]; then

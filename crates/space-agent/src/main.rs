@@ -258,11 +258,10 @@ const IN_MEMORY_ENV: &str = "SPACE_AGENT_IN_MEMORY";
 /// nothing done to that file inside the sandbox reaches the running agent.
 fn reexec_from_memory() -> std::io::Result<std::convert::Infallible> {
     use std::ffi::CString;
-    use std::io::Write;
     use std::os::fd::{AsRawFd, FromRawFd};
     use std::os::unix::ffi::OsStrExt;
 
-    let image = std::fs::read("/proc/self/exe")?;
+    let mut image = std::fs::File::open("/proc/self/exe")?;
     // SAFETY: a plain syscall with a NUL-terminated name.
     let fd = unsafe {
         libc::memfd_create(
@@ -275,7 +274,8 @@ fn reexec_from_memory() -> std::io::Result<std::convert::Infallible> {
     }
     // SAFETY: `fd` was just created and is owned here.
     let mut file = unsafe { std::fs::File::from_raw_fd(fd) };
-    file.write_all(&image)?;
+    // File to file: the kernel copies (copy_file_range or sendfile), no pass through our memory.
+    std::io::copy(&mut image, &mut file)?;
     // Sealed when the kernel can: nothing changes the copy afterwards.
     let seals = libc::F_SEAL_SEAL | libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_WRITE;
     // SAFETY: plain fcntl on a descriptor owned here.
