@@ -378,16 +378,7 @@ fn import_path(kind: &str, raw: &str, import_dirs: &[PathBuf]) -> Result<PathBuf
     }
 }
 
-fn cut(s: &str, max: usize) -> &str {
-    if s.len() <= max {
-        return s;
-    }
-    let mut end = max;
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    &s[..end]
-}
+use space_api::truncate as cut;
 
 /// The build log of one build. The server copies every step's output into it, and it keeps
 /// at most its last `cap` bytes: past that its head is dropped in whole MiB (the blocks are
