@@ -6,6 +6,10 @@
 #   files:     1 GiB up and down through the file API, as a tar and as one file
 #   runtimes:  gvisor and microvm side by side: boot, suspend/resume, snapshot size, exec
 #   list:      GET /v1/sandboxes with 100 running sandboxes (p50, p99) against runsc list
+#   e2b:       commands.run("true") through the Python E2B SDK and through /v1, against runsc exec
+#   pools:     create to first result from a warm pool and cold, against runsc create+start+exec
+#   creates:   16 creates at once to a first result against 16 runsc in parallel; 100 at once,
+#              each succeeded or refused (429), none failed or hung
 # Each prints one table; they never fail on speed, only when something breaks.
 # Needs root, like the tests.
 set -euo pipefail
@@ -17,6 +21,8 @@ PROFILE=release scripts/build.sh
 # The bench's server uses the shared test template cache.
 export SPACE_TEST_TEMPLATES="$PWD/target/space-test-templates"
 target/release/space admin prepare-template busybox --templates-dir "$SPACE_TEST_TEMPLATES" --data-dir /nonexistent
+target/release/space admin prepare-template debian --templates-dir "$SPACE_TEST_TEMPLATES" --data-dir /nonexistent
+scripts/test-clients.sh
 
 cargo bench -p space --bench core
 cargo bench -p space --bench lifecycle
@@ -24,3 +30,6 @@ cargo bench -p space --bench commands
 cargo bench -p space --bench files
 cargo bench -p space --bench runtimes
 cargo bench -p space --bench list
+cargo bench -p space --bench e2b
+cargo bench -p space --bench pools
+cargo bench -p space --bench creates

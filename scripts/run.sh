@@ -7,6 +7,13 @@ data_dir="${SPACE_DATA_DIR:-/var/lib/space}"
 
 scripts/setup.sh
 scripts/build.sh
+# The CLI the README's tour uses, on PATH for every shell (a link to this build).
+if [[ -w /usr/local/bin ]]; then
+  ln -sf "$PWD/target/release/space" /usr/local/bin/space
+  echo "run.sh: /usr/local/bin/space -> $PWD/target/release/space"
+else
+  echo "run.sh: /usr/local/bin is not writable; the CLI is $PWD/target/release/space"
+fi
 target/release/space admin prepare-template debian --data-dir "$data_dir"
 target/release/space admin prepare-template busybox --data-dir "$data_dir"
 exec target/release/space serve --dev --listen 127.0.0.1:7070 --data-dir "$data_dir"

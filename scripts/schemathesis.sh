@@ -11,7 +11,8 @@
 #
 # The server runs on an ephemeral port with a throwaway data dir and its own
 # templates dir (busybox only): nothing it builds or deletes touches the shared
-# test templates.
+# test templates. Its pools may hold no sandbox (--pool-max-sandboxes 0): the pool
+# routes are fuzzed, but nothing boots behind the API's back.
 #
 # Environment: SCHEMATHESIS_EXAMPLES (per operation, default 25),
 # SCHEMATHESIS_SEED (default: random, printed), SCHEMATHESIS_CHECKS (default: the four that
@@ -129,7 +130,7 @@ trap 'log "failed at line $LINENO: $BASH_COMMAND"' ERR
 SPACE_DEV_TOKEN="$TOKEN" SPACE_LOG=info "$BIN" serve --dev --listen 127.0.0.1:0 \
   --data-dir "$DATA" --templates-dir "$TEMPLATES" \
   --tenant-max-sandboxes 4 --tenant-max-running-commands 16 \
-  --max-vcpus 2 --max-memory-mib 1024 --max-disk-mib 4096 \
+  --max-vcpus 2 --max-memory-mib 1024 --max-disk-mib 4096 --pool-max-sandboxes 0 \
   >"$TMP/server.out" 2>"$TMP/server.log" </dev/null &
 SERVER_PID=$!
 URL=""

@@ -27,6 +27,9 @@ target/debug/space admin prepare-template debian --templates-dir "$SPACE_TEST_TE
 # The conformance suite must run on both runtimes here: a runtime that is
 # unavailable fails the run instead of being skipped.
 export SPACE_TEST_REQUIRE_RUNTIMES=gvisor,microvm
+stage "test clients"
+# The pinned client libraries the tests drive: E2B SDKs (tests/e2b.rs), the MCP client (tests/mcp.rs).
+scripts/test-clients.sh
 stage "workspace tests"
 # A production build reads no failpoint (the same test, without the feature).
 cargo test -p space-service --lib test_hooks
@@ -35,8 +38,13 @@ cargo test --workspace --features space/test-hooks --no-fail-fast -- --test-thre
 stage "microVM pass"
 # Whole suites again with every sandbox on the microVM runtime (see docs/RUNTIMES.md for
 # the suites not repeated here, and why).
-SPACE_TEST_RUNTIME=microvm cargo test -p space --features test-hooks --test files --test disk --test restart --test cli \
+SPACE_TEST_RUNTIME=microvm cargo test -p space --features test-hooks --test files --test disk --test restart --test cli --test e2b \
   --no-fail-fast -- --test-threads 3
+
+stage "python SDK"
+# sdk/python against a real server its fixtures start: builds the wheel, checks the models
+# against the served /v1/openapi.json, runs every method sync and async.
+sdk/python/run-tests.sh -q
 
 stage schemathesis
 # The API against its own OpenAPI document: schemathesis, no 5xx (see scripts/schemathesis.sh).

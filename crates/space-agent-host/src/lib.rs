@@ -27,8 +27,8 @@ pub use conn::{
 pub use error::{AgentError, BodyError, MAX_ERROR_MESSAGE};
 pub use files::{Download, DownloadBody, DownloadFormat, UploadKind, Uploaded, MAX_LISTING_JSON};
 pub use listen::{
-    handshake, listen, wait_connected, wait_reconnected, HandshakeError, HANDSHAKE_TIMEOUT,
-    MAX_HANDSHAKES,
+    connection_counts, handshake, listen, wait_connected, wait_reconnected, HandshakeError,
+    HANDSHAKE_TIMEOUT, MAX_HANDSHAKES,
 };
 /// The protocol as this crate sees it: the agent's own tests reach it through here, since
 /// their dev-dependency on this crate links a second copy of `space_agent`.

@@ -99,6 +99,19 @@ where
 /// task; an established connection outlives it (a listener is replaced while the agent
 /// stays connected). The `token` file beside the socket is deleted once an agent's hello
 /// is accepted.
+/// Agent connections accepted by every listener of this process, and those of them
+/// that replaced an earlier connection of the same sandbox (see [`connection_counts`]).
+static CONNECTIONS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+static RECONNECTS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// (connections, reconnects) accepted so far by this process's listeners.
+pub fn connection_counts() -> (u64, u64) {
+    (
+        CONNECTIONS.load(std::sync::atomic::Ordering::Relaxed),
+        RECONNECTS.load(std::sync::atomic::Ordering::Relaxed),
+    )
+}
+
 pub fn listen(
     sandbox_id: String,
     token: String,
@@ -124,6 +137,8 @@ pub fn listen(
         // Connections without a hello are the sandbox's doing: their log lines are
         // rate-limited (the 1st, 2nd, 4th, 8th, ...).
         let mut failed = 0u64;
+        // Agents that said hello to this listener: past the first, each is a reconnect.
+        let mut hellos = 0u64;
         loop {
             tokio::select! {
                 biased;
@@ -132,7 +147,14 @@ pub fn listen(
                     if let Ok((n, outcome)) = done {
                         oldest_first.retain(|(i, _)| *i != n);
                         match outcome {
-                            Ok((stream, hello)) => accepted_agent(stream, hello, &sandbox_id, &token_file, &conn),
+                            Ok((stream, hello)) => {
+                                hellos += 1;
+                                CONNECTIONS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                                if hellos > 1 {
+                                    RECONNECTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                                }
+                                accepted_agent(stream, hello, &sandbox_id, &token_file, &conn)
+                            }
                             Err(reason) => {
                                 failed += 1;
                                 if failed.is_power_of_two() {

@@ -29,6 +29,16 @@ const STDIN_QUEUE_BYTES: usize = 8 << 20;
 /// (what it left in the pipe, plus whatever background children add meanwhile).
 const DRAIN_LIMIT: usize = 4 << 20;
 
+/// After a read of [`COALESCE_FROM`] or more that emptied a pipe, the pump lets this pass
+/// before it reads again, so a busy stream travels in chunks near [`MAX_DATA_CHUNK`] rather
+/// than in its writer's small writes: every chunk costs the agent several system calls
+/// (which gVisor makes expensive) and a frame and an ack on the host link. The first bytes
+/// after a quiet spell still go out at once, and a command's end cuts the wait short.
+const COALESCE: std::time::Duration = std::time::Duration::from_millis(2);
+/// Only a read at least this large counts as busy: small writes (a line at a time) keep
+/// going out as they come, in the order they came on stdout and stderr together.
+const COALESCE_FROM: usize = 2048;
+
 #[derive(Debug)]
 struct Chunk {
     seq: u64,
@@ -141,6 +151,9 @@ impl StdinHandle {
 pub enum Source {
     Pipe(pipe::Receiver),
     Pty(Arc<Pty>),
+    /// A pipe out of the runtime's epoll (see [`unregister`]), non-blocking: polled
+    /// every [`COALESCE`] until it is registered again.
+    Parked(std::os::fd::OwnedFd),
 }
 
 impl Source {
@@ -148,6 +161,10 @@ impl Source {
         match self {
             Source::Pipe(p) => p.readable().await,
             Source::Pty(p) => p.readable().await,
+            Source::Parked(_) => {
+                tokio::time::sleep(COALESCE).await;
+                Ok(())
+            }
         }
     }
 
@@ -155,13 +172,15 @@ impl Source {
         match self {
             Source::Pipe(p) => try_read(p, buf),
             Source::Pty(p) => p.try_read(buf).into(),
+            Source::Parked(fd) => read_fd(fd, buf),
         }
     }
 
     fn read_now(&self, buf: &mut [u8]) -> Read {
         match self {
-            Source::Pipe(p) => read_now(p, buf),
+            Source::Pipe(p) => read_fd(p, buf),
             Source::Pty(p) => p.read_now(buf).into(),
+            Source::Parked(fd) => read_fd(fd, buf),
         }
     }
 }
@@ -613,8 +632,7 @@ fn try_read(p: &pipe::Receiver, buf: &mut [u8]) -> Read {
 /// A read that does not consult tokio's readiness (which a pipe registered a
 /// moment ago has not got yet): after the exit, what is in the pipe is all
 /// there is to wait for.
-fn read_now(p: &pipe::Receiver, buf: &mut [u8]) -> Read {
-    use std::os::fd::AsRawFd;
+fn read_fd(p: &impl std::os::fd::AsRawFd, buf: &mut [u8]) -> Read {
     loop {
         // SAFETY: reads into a valid buffer from a descriptor `p` owns.
         let n = unsafe { libc::read(p.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
@@ -656,12 +674,31 @@ pub async fn pump(
     let quiet = &agent.quiet;
     let mut pipes = [stdout, stderr];
     let mut buf = vec![0u8; MAX_DATA_CHUNK];
+    // The last read emptied its pipe.
+    let mut emptied = false;
 
     // While the command runs: read whatever arrives, as retention allows.
     while !cmd.ended.is_cancelled() {
         if quiet.is_on() {
             park_while_quiet(&mut pipes, quiet).await;
             continue;
+        }
+        if std::mem::take(&mut emptied) {
+            // Let more output gather first (the pipes are large enough that a writer
+            // does not stall meanwhile, see `spawn::OUTPUT_PIPE_BYTES`), with the pipes
+            // out of the runtime's epoll: registered, every small write would wake a
+            // thread of the agent for nothing, which costs gVisor a context switch each.
+            unregister(&mut pipes);
+            let forgotten = tokio::select! {
+                _ = tokio::time::sleep(COALESCE) => false,
+                _ = cmd.ended.cancelled() => false,
+                _ = cmd.forgotten.cancelled() => true,
+                _ = quiet.entered() => false,
+            };
+            if forgotten {
+                return;
+            }
+            register(&mut pipes);
         }
         let room = cmd.rooms();
         let blocked = (0..2).any(|s| pipes[s].is_some() && room[s] == 0);
@@ -682,7 +719,11 @@ pub async fn pump(
             _ => Read::Eof,
         };
         match read {
-            Read::Data(n) => cmd.push(s, &buf[..n]),
+            Read::Data(n) => {
+                cmd.push(s, &buf[..n]);
+                let asked = room[s].min(MAX_DATA_CHUNK);
+                emptied = n < asked && n >= COALESCE_FROM;
+            }
             Read::Eof => pipes[s] = None,
             Read::Again => {}
         }
@@ -722,20 +763,38 @@ pub async fn pump(
 /// terminal stays registered (its master is shared with the stdin writer) and is only not
 /// read.
 async fn park_while_quiet(pipes: &mut [Option<Source>; 2], quiet: &crate::http::Quiet) {
-    let mut parked: [Option<std::os::fd::OwnedFd>; 2] = [None, None];
-    for (slot, parked) in pipes.iter_mut().zip(parked.iter_mut()) {
-        if matches!(slot, Some(Source::Pipe(_))) {
-            if let Some(Source::Pipe(p)) = slot.take() {
-                // Err: the descriptor is gone with it, as at end of file.
-                *parked = p.into_nonblocking_fd().ok();
-            }
+    unregister(pipes);
+    quiet.off().await;
+    register(pipes);
+}
+
+/// Takes the pipes among `pipes` out of the runtime's epoll (a terminal stays).
+fn unregister(pipes: &mut [Option<Source>; 2]) {
+    for slot in pipes.iter_mut() {
+        if let Some(Source::Pipe(p)) = slot.take_if(|s| matches!(s, Source::Pipe(_))) {
+            // Err: the descriptor is gone with it, as at end of file.
+            *slot = p.into_nonblocking_fd().ok().map(Source::Parked);
         }
     }
-    quiet.off().await;
-    for (slot, fd) in pipes.iter_mut().zip(parked) {
-        if let Some(fd) = fd {
-            // Registered again, data already in the pipe is reported at once.
-            *slot = pipe::Receiver::from_owned_fd(fd).ok().map(Source::Pipe);
+}
+
+/// Puts pipes taken out by [`unregister`] back; data already in a pipe is reported at
+/// once. A pipe the runtime does not take back (out of epoll room) stays parked, polled,
+/// its output intact.
+fn register(pipes: &mut [Option<Source>; 2]) {
+    for slot in pipes.iter_mut() {
+        if let Some(Source::Parked(fd)) = slot.take_if(|s| matches!(s, Source::Parked(_))) {
+            // A spare: a failed registration closes the descriptor it was given.
+            let spare = fd.try_clone();
+            *slot = match (pipe::Receiver::from_owned_fd(fd), spare) {
+                (Ok(p), _) => Some(Source::Pipe(p)),
+                (Err(e), Ok(spare)) => {
+                    note!("space-agent: an output pipe stays polled: {e}");
+                    Some(Source::Parked(spare))
+                }
+                // Neither: the descriptor is gone, as at end of file.
+                (Err(_), Err(_)) => None,
+            };
         }
     }
 }

@@ -90,6 +90,23 @@ impl Quiet {
         );
     }
 
+    /// Sleeps like [`Self::sleep_blocking`], and wakes early too when `wake()` holds
+    /// after a [`Self::nudge`].
+    pub fn sleep_blocking_unless(&self, pause: Duration, wake: impl Fn() -> bool) {
+        let on = self.on.lock().unwrap_or_else(|e| e.into_inner());
+        drop(
+            self.cv
+                .wait_timeout_while(on, pause, |on| !*on && !wake())
+                .unwrap_or_else(|e| e.into_inner()),
+        );
+    }
+
+    /// Wakes the threads in [`Self::sleep_blocking_unless`] to look at their condition.
+    pub fn nudge(&self) {
+        let _on = self.on.lock().unwrap_or_else(|e| e.into_inner());
+        self.cv.notify_all();
+    }
+
     /// Waits until the agent is quiesced.
     pub async fn entered(&self) {
         self.entered.notified().await;
@@ -319,6 +336,7 @@ async fn spawn_command(agent: Arc<Agent>, body: Incoming) -> Response<Body> {
 
     let argv0 = req.argv[0].clone();
     let timeout = req.timeout_ms.filter(|&ms| ms > 0);
+    crate::oom::command_starting(&agent);
     let outcome = {
         let (agent, cmd) = (agent.clone(), cmd.clone());
         tokio::task::spawn_blocking(move || spawn::start(&agent.reaper, &cmd, &req)).await

@@ -30,6 +30,7 @@ mod reaper;
 mod spawn;
 mod tree;
 mod users;
+mod vfork;
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -158,6 +159,12 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    // Before any other thread exists: the bounding set is per thread, and threads made
+    // later (the runtime's, which start commands) inherit it.
+    if let Err(e) = spawn::narrow_bounding_set_once() {
+        // Each command narrows its own then (and fails if it cannot).
+        note!("space-agent: cannot narrow the capability bounding set: {e}");
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

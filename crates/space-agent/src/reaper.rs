@@ -45,27 +45,26 @@ impl Reaper {
         self.pids.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Spawns `c` for `cmd` and registers its pid before the reaper can see it exit.
+    /// Runs `start` (a spawn for `cmd`, returning its pid) and registers the pid before
+    /// the reaper can see it exit.
     ///
-    /// The fork and exec run without the lock, so spawns (slow inside gVisor) go
-    /// in parallel; `in_flight` keeps the reaper from taking a child's exit before
-    /// its pid is registered.
-    pub fn spawn(
+    /// Spawns run without the lock, so they go in parallel; `in_flight` keeps the reaper
+    /// from taking a child's exit before its pid is registered.
+    pub fn spawn_with(
         &self,
-        c: &mut std::process::Command,
         cmd: &Arc<Cmd>,
-    ) -> io::Result<std::process::Child> {
+        start: impl FnOnce() -> io::Result<u32>,
+    ) -> io::Result<u32> {
         use std::sync::atomic::Ordering::SeqCst;
         self.in_flight.fetch_add(1, SeqCst);
-        let spawned = c.spawn();
-        if let Ok(child) = &spawned {
-            cmd.set_pid(child.id());
-            if let Ok(pid) = i32::try_from(child.id()) {
+        let spawned = start();
+        if let Ok(pid) = &spawned {
+            cmd.set_pid(*pid);
+            if let Ok(pid) = i32::try_from(*pid) {
                 self.lock().insert(pid, cmd.clone());
             }
         }
         self.in_flight.fetch_sub(1, SeqCst);
-        // A child that exited while spawns were in flight may be waiting for us.
         self.reap();
         spawned
     }

@@ -8,16 +8,14 @@ use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::PermissionsExt;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::sync::Arc;
 
 use space_agent::protocol::SpawnRequest;
 
 use crate::command::Cmd;
 use crate::reaper::Reaper;
-use crate::{pty, tree, users};
+use crate::{pty, tree, users, vfork};
 
 /// `TERM` of a command on a terminal when its environment has none.
 const DEFAULT_TERM: &str = "xterm-256color";
@@ -171,9 +169,25 @@ pub fn start(reaper: &Reaper, cmd: &Arc<Cmd>, req: &SpawnRequest) -> Outcome {
         Err((code, reason)) => return failed(code, reason),
     };
 
-    let mut c = std::process::Command::new(&program);
-    c.arg0(argv0).args(&req.argv[1..]).env_clear().envs(env);
+    // Everything the child needs is made here, before the clone: it may not allocate.
+    let Ok(program_c) = CString::new(program.as_os_str().as_bytes()) else {
+        return failed(CANNOT_RUN, "the program's path contains NUL");
+    };
+    let Ok(argv) = vfork::cstrings(req.argv.iter().map(|a| a.as_bytes().to_vec())) else {
+        return failed(CANNOT_RUN, "an argument contains NUL");
+    };
+    // One value per name, the last given (as std's `Command::envs` does), sorted.
+    let env: std::collections::BTreeMap<&str, &str> =
+        env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let Ok(envp) = vfork::cstrings(env.iter().map(|(k, v)| format!("{k}={v}").into_bytes())) else {
+        return failed(CANNOT_RUN, "the environment contains NUL");
+    };
+    let (argv_p, envp_p) = (vfork::pointers(&argv), vfork::pointers(&envp));
+
+    // The parent's ends, and the child's (closed here once it has them).
     let mut master = None;
+    let (mut stdin, mut stdout, mut stderr) = (None, None, None);
+    let child_ends: [OwnedFd; 3];
     if let Some(size) = req.pty {
         let (m, slave) = match pty::open(size) {
             Ok(pair) => pair,
@@ -193,18 +207,28 @@ pub fn start(reaper: &Reaper, cmd: &Arc<Cmd>, req: &SpawnRequest) -> Outcome {
         let (Ok(a), Ok(b)) = (slave.try_clone(), slave.try_clone()) else {
             return failed(CANNOT_RUN, "cannot open a terminal: out of descriptors");
         };
-        c.stdin(Stdio::from(a))
-            .stdout(Stdio::from(b))
-            .stderr(Stdio::from(slave));
+        child_ends = [a, b, slave];
         master = Some(m);
     } else {
-        c.stdin(if req.stdin {
-            Stdio::piped()
-        } else {
-            Stdio::null()
-        })
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
+        let made = (|| -> io::Result<[OwnedFd; 3]> {
+            let input = if req.stdin {
+                let (r, w) = pipe()?;
+                stdin = Some(w);
+                r
+            } else {
+                OwnedFd::from(std::fs::File::open("/dev/null")?)
+            };
+            let (r, w) = output_pipe()?;
+            stdout = Some(r);
+            let out = w;
+            let (r, w) = output_pipe()?;
+            stderr = Some(r);
+            Ok([input, out, w])
+        })();
+        child_ends = match made {
+            Ok(ends) => ends,
+            Err(e) => return failed(CANNOT_RUN, format!("cannot make pipes: {}", describe(&e))),
+        };
     }
     let on_pty = master.is_some();
     let tag = tree::new_tag();
@@ -219,36 +243,27 @@ pub fn start(reaper: &Reaper, cmd: &Arc<Cmd>, req: &SpawnRequest) -> Outcome {
         None => -1,
     };
 
-    // std changes uid/gid and the directory before pre_exec closures run, and
-    // would leave supplementary groups empty; do all of it here instead, in order.
-    // SAFETY: plain syscalls only; the closure allocates nothing.
+    // In the child, in order, after its descriptors are in place; plain syscalls only.
     let (uid, gid) = (ident.uid, ident.gid);
     let tasks_limit = TASKS_LIMIT.load(std::sync::atomic::Ordering::Relaxed);
+    // SAFETY: plain syscalls.
     let change_ident =
         unsafe { libc::geteuid() == 0 || libc::geteuid() != uid || libc::getegid() != gid };
-    unsafe {
-        c.pre_exec(move || {
+    let setup = move || -> io::Result<()> {
+        // SAFETY: plain syscalls on values made before the clone; nothing allocates.
+        unsafe {
             if libc::setsid() < 0 {
                 return Err(io::Error::last_os_error());
             }
             // While still root: the cgroup's files are root's.
             crate::cgroup::enter(procs)?;
-            // std has made the terminal our stdin by now; a session leader
-            // without a controlling terminal takes it with this.
+            // The terminal is our stdin by now; a session leader without a
+            // controlling terminal takes it with this.
             if on_pty && libc::ioctl(0, libc::TIOCSCTTY, 0) != 0 {
                 return Err(io::Error::last_os_error());
             }
             if let Some(tag) = tag {
                 tree::apply_tag(tag);
-            }
-            let mut set = std::mem::MaybeUninit::<libc::sigset_t>::zeroed();
-            libc::sigemptyset(set.as_mut_ptr());
-            libc::pthread_sigmask(libc::SIG_SETMASK, set.as_ptr(), std::ptr::null_mut());
-            for sig in 1..=64 {
-                if sig != libc::SIGKILL && sig != libc::SIGSTOP {
-                    // Fails harmlessly for the signals libc reserves.
-                    libc::signal(sig, libc::SIG_DFL);
-                }
             }
             if tasks_limit > 0 {
                 let lim = libc::rlimit {
@@ -273,23 +288,62 @@ pub fn start(reaper: &Reaper, cmd: &Arc<Cmd>, req: &SpawnRequest) -> Outcome {
             if libc::chdir(cwd_c.as_ptr()) != 0 {
                 return Err(io::Error::last_os_error());
             }
+            // Last: every handler is the default by now (see `vfork`).
+            let mut set = std::mem::MaybeUninit::<libc::sigset_t>::zeroed();
+            libc::sigemptyset(set.as_mut_ptr());
+            libc::pthread_sigmask(libc::SIG_SETMASK, set.as_ptr(), std::ptr::null_mut());
             Ok(())
-        });
-    }
-
-    // `c` holds our copies of the terminal's slave until this returns: the
-    // master reads EIO once only the command and its children have it open.
-    match reaper.spawn(&mut c, cmd) {
-        Ok(mut child) => Outcome::Started {
-            pid: child.id(),
-            stdin: child.stdin.take().map(OwnedFd::from),
-            stdout: child.stdout.take().map(OwnedFd::from),
-            stderr: child.stderr.take().map(OwnedFd::from),
+        }
+    };
+    let stdio = [
+        child_ends[0].as_raw_fd(),
+        child_ends[1].as_raw_fd(),
+        child_ends[2].as_raw_fd(),
+    ];
+    let spawned = reaper.spawn_with(cmd, || {
+        // SAFETY: `setup` only makes syscalls; the arrays and strings outlive the call.
+        unsafe { vfork::spawn(&program_c, &argv_p, &envp_p, stdio, &setup) }
+    });
+    // Our copies of the child's ends go now: a pipe (or the terminal's master) reads
+    // end of file or EIO once only the command and its children hold the other end.
+    drop(child_ends);
+    match spawned {
+        Ok(pid) => Outcome::Started {
+            pid,
+            stdin,
+            stdout,
+            stderr,
             pty: master,
         },
         Err(e) if e.kind() == io::ErrorKind::NotFound => failed(NOT_FOUND, describe(&e)),
         Err(e) => failed(CANNOT_RUN, describe(&e)),
     }
+}
+
+/// What an output pipe holds: room for the output a busy command writes while the pump
+/// gathers it (see `command::COALESCE`), so the writer does not stall meanwhile.
+/// Linux's default limit for an unprivileged resize (`fs.pipe-max-size`).
+const OUTPUT_PIPE_BYTES: i32 = 1 << 20;
+
+/// A pipe for a command's output: [`pipe`], made [`OUTPUT_PIPE_BYTES`] large where the
+/// kernel lets it (the default size otherwise; the pipe works either way).
+fn output_pipe() -> io::Result<(OwnedFd, OwnedFd)> {
+    let (r, w) = pipe()?;
+    // SAFETY: fcntl on a descriptor owned here; a failure leaves the pipe as it was.
+    unsafe { libc::fcntl(w.as_raw_fd(), libc::F_SETPIPE_SZ, OUTPUT_PIPE_BYTES) };
+    Ok((r, w))
+}
+
+/// A pipe, both ends close-on-exec: (read, write).
+fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
+    use std::os::fd::FromRawFd;
+    let mut fds = [0; 2];
+    // SAFETY: plain syscall filling a two-element array.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: both descriptors were just made and are owned here.
+    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
 }
 
 /// The only capabilities a command may have, even as root: the set a gVisor sandbox is
@@ -321,12 +375,13 @@ pub const KEPT_CAPABILITIES: &[u32] = &[
     31, // CAP_SETFCAP
 ];
 
-/// In a child before `exec`: takes all but [`KEPT_CAPABILITIES`] out of the bounding set (so no
-/// file capability or setuid-root binary brings them back), empties the inheritable and
-/// ambient sets (which `exec` of a root program would otherwise add back in). A capability
-/// that is in the bounding set and cannot be dropped fails the command rather than leaving
-/// it with more than it should have. Allocation-free.
-fn drop_capabilities() -> io::Result<()> {
+/// The agent narrowed its own bounding set at start (see [`narrow_bounding_set`]): every
+/// child inherits that, and skips the walk over every capability (two system calls each,
+/// which gVisor makes costly, on every command).
+static BOUNDING_NARROWED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Takes all but [`KEPT_CAPABILITIES`] out of this process's bounding set. Allocation-free.
+fn narrow_bounding_set() -> io::Result<()> {
     for cap in 0u32..64 {
         if KEPT_CAPABILITIES.contains(&cap) {
             continue;
@@ -343,7 +398,28 @@ fn drop_capabilities() -> io::Result<()> {
             return Err(io::Error::last_os_error());
         }
     }
-    // SAFETY: as above. EINVAL: a kernel without ambient capabilities has none to clear.
+    Ok(())
+}
+
+/// Narrows the agent's bounding set, for itself and every command it starts from now on.
+/// The agent's own effective and permitted capabilities stay as they are (the bounding set
+/// only limits what an `exec` can gain); its commands start with the narrow set already.
+pub fn narrow_bounding_set_once() -> io::Result<()> {
+    narrow_bounding_set()?;
+    BOUNDING_NARROWED.store(true, std::sync::atomic::Ordering::Relaxed);
+    Ok(())
+}
+
+/// In a child before `exec`: takes all but [`KEPT_CAPABILITIES`] out of the bounding set (so no
+/// file capability or setuid-root binary brings them back), empties the inheritable and
+/// ambient sets (which `exec` of a root program would otherwise add back in). A capability
+/// that is in the bounding set and cannot be dropped fails the command rather than leaving
+/// it with more than it should have. Allocation-free.
+fn drop_capabilities() -> io::Result<()> {
+    if !BOUNDING_NARROWED.load(std::sync::atomic::Ordering::Relaxed) {
+        narrow_bounding_set()?;
+    }
+    // SAFETY: a plain prctl call. EINVAL: a kernel without ambient capabilities has none to clear.
     if unsafe {
         libc::prctl(
             libc::PR_CAP_AMBIENT,

@@ -848,6 +848,17 @@ async fn programs_that_cannot_start() {
         .exit
         .expect("exit");
     assert_eq!(exit.exit_code, Some(126));
+
+    // An executable script without `#!` runs with /bin/sh, as execvp and shells run it.
+    let script = std::env::temp_dir().join(format!("space-agent-plain-{}.sh", std::process::id()));
+    std::fs::write(&script, "echo plain \"$1\"\n").unwrap();
+    std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    conn.spawn(json!({"id": "plain", "argv": [script.to_str().unwrap(), "arg"], "env": []}))
+        .await;
+    let out = conn.attach("plain", 0, 0).await.collect(true).await;
+    assert_eq!(out.exit.expect("exit").exit_code, Some(0));
+    let _ = std::fs::remove_file(&script);
+    assert_eq!(text(&out.stdout), "plain arg\n");
 }
 
 #[tokio::test]

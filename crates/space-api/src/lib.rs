@@ -304,6 +304,55 @@ pub struct CreateSandboxRequest {
     pub on_idle: Option<OnIdle>,
 }
 
+/// `PUT /v1/pools`: keep `size` ready sandboxes of a template (server token only).
+/// A pool is one template, runtime, set of resources and network mode; putting the
+/// same four again changes its size (0 keeps the pool, empty).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PoolSpec {
+    pub template: String,
+    pub size: u32,
+    /// Default: the server's default runtime.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub runtime: Option<String>,
+    /// As in a create: unset fields come from the template, then the server.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resources: Option<Resources>,
+    /// `none` (default) or `egress`: the network mode its sandboxes boot with. A create
+    /// asking for `egress` gets its allowlist applied when it claims one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network: Option<String>,
+}
+
+/// A warm pool: ready sandboxes that a matching create claims instead of booting one.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, JsonSchema)]
+pub struct Pool {
+    /// `pool_` and a digest of template, runtime, resources and network.
+    pub id: String,
+    pub template: String,
+    pub runtime: String,
+    /// Every field set: a create matches when its own resolve to the same.
+    pub resources: Resources,
+    pub network: String,
+    pub size: u32,
+    /// Sandboxes running and free to claim now.
+    pub ready: u32,
+    /// Sandboxes the pool is booting.
+    pub starting: u32,
+    /// Creates that claimed one of its sandboxes since the server started.
+    pub claims: u64,
+    /// Why its last fill failed, while it keeps failing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_error: Option<String>,
+    pub created_at: String,
+    pub updated_at: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, JsonSchema)]
+pub struct PoolList {
+    pub pools: Vec<Pool>,
+}
+
 /// `POST /v1/sandboxes/{id}/keepalive`: counts as activity; with `ttl_seconds`
 /// the TTL restarts from now with that length (default: the sandbox's own TTL).
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq, JsonSchema)]
@@ -500,6 +549,9 @@ pub struct Command {
     pub version: u64,
     pub sandbox_id: String,
     pub state: CommandState,
+    /// Its process id inside the sandbox, once started.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pid: Option<u32>,
     pub argv: Vec<String>,
     pub cwd: Option<String>,
     pub user: Option<String>,

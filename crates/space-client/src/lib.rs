@@ -30,6 +30,7 @@ mod error;
 mod files;
 mod operations;
 mod output;
+mod pools;
 mod sandboxes;
 mod sse;
 mod stream;

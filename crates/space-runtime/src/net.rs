@@ -685,6 +685,45 @@ pub fn setup(
     Ok(state)
 }
 
+/// Replaces the allowlist of a sandbox that has a link (a warm pool's sandbox, booted
+/// with an empty one, when a create claims it): its own chain is declared again in one
+/// `iptables-restore` batch, which flushes and refills it atomically, so no packet ever
+/// meets a half-written list. The new list is recorded for restores.
+pub fn set_allowlist(
+    id: &str,
+    state_dir: &Path,
+    cfg: &EgressConfig,
+) -> Result<NetState, RuntimeError> {
+    let _lock = HostLock::take()?;
+    let mut state = load(state_dir)?
+        .ok_or_else(|| net_err("network", "the sandbox has no network link".to_string()))?;
+    state.allow = cfg.allow.clone();
+    let chain = names(id, state.kind).chain;
+    let (filter, _, _) = rules(id, &state);
+    let own = format!("-A {chain} ");
+    let batch: String = filter
+        .lines()
+        .filter(|l| {
+            l.starts_with('*') || l.starts_with(':') || l.starts_with(&own) || *l == "COMMIT"
+        })
+        .map(|l| {
+            // Flushed explicitly too: not every iptables-restore flushes a declared chain.
+            if l.starts_with(':') {
+                format!("{l}\n-F {chain}\n")
+            } else {
+                format!("{l}\n")
+            }
+        })
+        .collect();
+    run_input("iptables-restore", &["-w", "--noflush"], Some(&batch))?;
+    let bytes = serde_json::to_vec_pretty(&state).unwrap_or_default();
+    let tmp = state_dir.join(format!("{STATE_FILE}.tmp"));
+    std::fs::write(&tmp, bytes)
+        .and_then(|()| std::fs::rename(&tmp, state_dir.join(STATE_FILE)))
+        .map_err(|e| RuntimeError::io("writing network.json", e))?;
+    Ok(state)
+}
+
 /// Re-creates the link and rules recorded in `state_dir`, if any (before a restore).
 pub fn ensure(id: &str, state_dir: &Path) -> Result<Option<NetState>, RuntimeError> {
     let Some(prev) = load(state_dir)? else {

@@ -195,6 +195,7 @@ impl Service {
             version: 0,
             sandbox_id: sandbox_id.to_string(),
             state: CommandState::Starting,
+            pid: None,
             argv,
             cwd,
             user,
@@ -267,6 +268,7 @@ impl Service {
         // an id it already has, so the command never starts twice, and one that never
         // reached it is not reported `lost` for a reconnect.
         let mut broken: Option<u64> = None;
+        let mut pid = None;
         for attempt in 0..2 {
             let conn = match broken {
                 Some(gen) => agent::wait_reconnected(&mut rx, gen, SPAWN_CONNECT_TIMEOUT).await,
@@ -282,7 +284,10 @@ impl Service {
                 Err(_) => break,
             };
             match conn.spawn(&spawn).await {
-                Ok(_) => break,
+                Ok(reply) => {
+                    pid = (reply.pid != 0).then_some(reply.pid);
+                    break;
+                }
                 Err(AgentError::Refused { status, .. })
                     if attempt > 0 && status == StatusCode::CONFLICT =>
                 {
@@ -310,11 +315,20 @@ impl Service {
         }
         // Unless it has ended meanwhile (its session may already have finalized it).
         self.modify_command(&sandbox_id, &id, |c| {
-            Ok::<_, ServiceError>((c.state == CommandState::Starting).then(|| {
-                c.state = CommandState::Running;
-            }))
+            Ok::<_, ServiceError>(
+                (c.state == CommandState::Starting || c.pid != pid).then(|| {
+                    if c.state == CommandState::Starting {
+                        c.state = CommandState::Running;
+                    }
+                    c.pid = c.pid.or(pid);
+                }),
+            )
         })?;
         tracing::info!(sandbox = %&sandbox_id, command = %id, "command started");
+        self.0
+            .metrics
+            .commands_started
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         self.spawn_session(handle, ch, writer, sandbox_id, id);
 
         Ok(())
@@ -745,18 +759,26 @@ impl Service {
         id: &str,
         frames: Vec<Bytes>,
     ) -> Result<(), ServiceError> {
-        // A command that just started, or whose agent is reconnecting, gets a moment.
+        // A command that just started, or whose agent is reconnecting, gets a moment; one
+        // that ends meanwhile is answered at once (it ended between the check and now).
         let mut rx = ch.host_frames.subscribe();
-        let tx =
-            match tokio::time::timeout(SPAWN_CONNECT_TIMEOUT, rx.wait_for(|t| t.is_some())).await {
+        let mut progress = ch.progress.subscribe();
+        let ended = || ServiceError::Conflict(format!("command {id} has already ended"));
+        let tx = tokio::select! {
+            t = tokio::time::timeout(SPAWN_CONNECT_TIMEOUT, rx.wait_for(|t| t.is_some())) => match t {
                 Ok(Ok(t)) => t.clone(),
                 _ => None,
+            },
+            _ = progress.wait_for(|p| p.done) => return Err(ended()),
+        }
+        .ok_or_else(|| {
+            if ch.progress.borrow().done {
+                return ended();
             }
-            .ok_or_else(|| {
-                ServiceError::Unavailable(format!(
-                    "command {id} is not connected to its agent right now; retry"
-                ))
-            })?;
+            ServiceError::Unavailable(format!(
+                "command {id} is not connected to its agent right now; retry"
+            ))
+        })?;
         for f in frames {
             // Bounded: a command that does not read its input fills the agent's queue
             // (8 MiB) and then this one; the caller hears so instead of waiting.
@@ -956,8 +978,10 @@ fn append_checked(
         ));
     }
     // File writes (and the index's fsync-free appends) off the async worker threads.
-    space_store::offload(|| writer.append(stream, data))
-        .map_err(|e| format!("storing the output failed: {e}"))
+    let due = space_store::offload(|| writer.append(stream, data))
+        .map_err(|e| format!("storing the output failed: {e}"))?;
+    super::metrics::output_stored(stream == Stream::Stdout, data.len());
+    Ok(due)
 }
 
 /// Most secrets of a sandbox or a command, and their bounds.

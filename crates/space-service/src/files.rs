@@ -157,16 +157,24 @@ impl Service {
     /// At most the server's upload limit (413 past it, also when `declared` says so up
     /// front), unpacked too; one of `tenant`'s uploads in flight meanwhile (429 past
     /// its limit).
+    #[allow(clippy::too_many_arguments)]
     pub(super) async fn upload_file(
         &self,
         tenant: &Tenant,
         sandbox_id: &str,
         path: &str,
         kind: UploadKind,
+        parents: bool,
         declared: Option<u64>,
         body: UploadStream,
     ) -> Result<Uploaded, ServiceError> {
         check_path("path", path)?;
+        let parent = match (&kind, path.rsplit_once('/')) {
+            (UploadKind::File { .. }, Some((dir, _))) if parents && !dir.is_empty() => {
+                Some(dir.to_string())
+            }
+            _ => None,
+        };
         let max = self.max_upload_bytes();
         let too_large = || {
             api(
@@ -190,6 +198,14 @@ impl Service {
         }
         let _upload = self.admit_upload(tenant)?;
         let conn = self.file_agent(sandbox_id).await?;
+        // Missing parent directories are made first (`mkdir -p`, inside the sandbox).
+        if let Some(dir) = parent {
+            let req = MkdirRequest {
+                path: dir,
+                ..Default::default()
+            };
+            conn.mkdir(&req).await.map_err(agent_failure)?;
+        }
         let exceeded = Arc::new(AtomicBool::new(false));
         let body = bounded(body, max, exceeded.clone());
         let result = conn.upload(path, kind, body_from_stream(body)).await;

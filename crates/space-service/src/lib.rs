@@ -14,13 +14,18 @@ mod chan;
 mod commands;
 pub mod files;
 mod lifecycle;
+mod metrics;
 mod network;
 pub mod output;
+mod pools;
+pub use pools::POOL_TENANT;
 mod reconcile;
 mod retention;
 pub mod runtimes;
 mod scope;
-pub use scope::{EventFeed, TenantService, MAX_STDIN_WRITE};
+pub use scope::{EventFeed, TenantService, ACCESS_TOKEN_PREFIX, MAX_STDIN_WRITE};
+mod dirwatch;
+pub use dirwatch::{DirWatcher, FsEvent, FsEventKind};
 mod snapshot;
 mod templates;
 pub mod tenancy;
@@ -96,6 +101,10 @@ pub struct Config {
     pub server_token: Option<String>,
     /// Per-tenant and per-sandbox limits (defaults; some overridable per tenant).
     pub limits: Limits,
+    /// Sandboxes all warm pools may hold together.
+    pub pool_max_sandboxes: u64,
+    /// Pooled sandboxes that may boot at once (server-wide).
+    pub pool_fills: usize,
 }
 
 /// What went wrong, in terms an API caller can act on.
@@ -240,6 +249,9 @@ pub(crate) struct Inner {
     purging: Mutex<std::collections::HashSet<String>>,
     /// The last sampled cost of each managed sandbox (see `retention.rs`).
     costs: Mutex<HashMap<String, space_api::Cost>>,
+    /// Warm pools (see `pools.rs`).
+    pools: pools::Pools,
+    metrics: metrics::Metrics,
 }
 
 /// The service. Cheap to clone.
@@ -287,6 +299,8 @@ impl Service {
             tenancy,
             purging: Mutex::new(std::collections::HashSet::new()),
             costs: Mutex::new(HashMap::new()),
+            pools: pools::Pools::default(),
+            metrics: metrics::Metrics::default(),
         }));
         svc.reconcile().await?;
         svc.remove_build_leftovers().await;
@@ -298,6 +312,7 @@ impl Service {
         svc.spawn_reaper();
         svc.spawn_revocation_watch();
         svc.spawn_cost_sampler();
+        svc.spawn_pool_filler();
         Ok(svc)
     }
 
@@ -336,21 +351,16 @@ impl Service {
 
     // ---- sandboxes ----
 
-    /// `POST /v1/sandboxes`: validates, records, and starts the create operation.
-    pub(crate) fn create_sandbox(
+    /// `POST /v1/sandboxes`, first half: the record a create request stands for,
+    /// validated and resolved, not stored. [`Self::claim_pooled`] or
+    /// [`Self::start_create`] takes it from there.
+    pub(crate) fn prepare_create(
         &self,
         tenant: &str,
         req: CreateSandboxRequest,
-    ) -> Result<Operation> {
+    ) -> Result<SandboxRecord> {
         let template_name = req.template.trim().to_string();
-        let runtime = req
-            .runtime
-            .clone()
-            .unwrap_or_else(|| self.runtime_name().into());
-        self.0
-            .runtimes
-            .get(&runtime)
-            .map_err(ServiceError::BadRequest)?;
+        let runtime = self.resolve_runtime(req.runtime.as_deref())?;
         let accelerator = self.0.runtimes.accelerator(&runtime);
         // Hostnames of an egress allowlist resolve here, once; the stored result is what
         // every boot and restore of the sandbox enforces.
@@ -372,15 +382,7 @@ impl Service {
         commands::validate_secrets(&secrets)?;
         let labels = req.labels.clone().unwrap_or_default();
         validate_labels(&labels)?;
-        let template = match self.0.templates.get(&template_name) {
-            Ok(t) => t,
-            Err(TemplateError::UnknownTemplate(_)) | Err(TemplateError::InvalidName(_)) => {
-                return Err(ServiceError::NotFound(format!(
-                    "unknown template {template_name:?}"
-                )))
-            }
-            Err(e) => return Err(ServiceError::Internal(format!("template store: {e}"))),
-        };
+        let template = self.find_template(&template_name)?;
         let resources = self.resolve_resources(
             req.resources.as_ref(),
             template.as_ref().and_then(|t| t.resources.as_ref()),
@@ -431,11 +433,43 @@ impl Service {
             snapshot_dir: None,
             secrets,
         };
-        let op = new_operation(OperationKind::Create, Some(&id), tenant);
+        Ok(rec)
+    }
+
+    /// The runtime asked for (default: the server's), if this server has it (400 if not).
+    pub(crate) fn resolve_runtime(&self, asked: Option<&str>) -> Result<String> {
+        let runtime = asked.unwrap_or(self.runtime_name()).to_string();
+        self.0
+            .runtimes
+            .get(&runtime)
+            .map_err(ServiceError::BadRequest)?;
+        Ok(runtime)
+    }
+
+    /// The template `name` (`None`: a built-in not built yet); 404 for an unknown or
+    /// invalid name.
+    pub(crate) fn find_template(
+        &self,
+        name: &str,
+    ) -> Result<Option<space_runtime::template::Template>> {
+        match self.0.templates.get(name) {
+            Ok(t) => Ok(t),
+            Err(TemplateError::UnknownTemplate(_)) | Err(TemplateError::InvalidName(_)) => Err(
+                ServiceError::NotFound(format!("unknown template {:?}", truncate(name, 64))),
+            ),
+            Err(e) => Err(ServiceError::Internal(format!("template store: {e}"))),
+        }
+    }
+
+    /// Stores the prepared `rec` and starts booting it.
+    pub(crate) fn start_create(&self, rec: SandboxRecord) -> Result<Operation> {
+        let (id, tenant) = (&rec.sandbox.id, &rec.sandbox.tenant);
+        let template_name = &rec.sandbox.template;
+        let op = new_operation(OperationKind::Create, Some(id), tenant);
         self.0.store.insert_sandbox(&rec, &op)?;
         let cancel = CancellationToken::new();
         lock(&self.0.pending_ops).insert(op.id.clone(), cancel.clone());
-        let handle = self.handle(&id);
+        let handle = self.handle(id);
         tracing::info!(sandbox = %id, operation = %op.id, template = %template_name, "create requested");
         let svc = self.clone();
         let op_id = op.id.clone();
@@ -648,6 +682,10 @@ impl Service {
             if ready_now {
                 ready(rec)?;
             }
+            // A lifetime counts from when the sandbox can be used: a create slowed by load
+            // (or a long start command) does not eat into it.
+            rec.sandbox.expires_at = retention::expiry(rec.sandbox.ttl_seconds);
+            rec.sandbox.last_active_at = Some(now_rfc3339());
             op.status = OperationStatus::Succeeded;
             op.progress = Some("ready".into());
             op.updated_at = now_rfc3339();
@@ -891,9 +929,13 @@ impl Service {
     ) -> std::result::Result<(Operation, T), E> {
         for _ in 0..CAS_ATTEMPTS {
             let mut op = self.operation(id)?;
+            let ended = op.status.is_terminal();
             let out = f(&mut op)?;
             match self.0.store.update_operation(&mut op) {
-                Ok(()) => return Ok((op, out)),
+                Ok(()) => {
+                    self.note_op_end(ended, &op);
+                    return Ok((op, out));
+                }
                 Err(StoreError::Conflict { .. }) => continue,
                 Err(e) => return Err(ServiceError::from(e).into()),
             }
@@ -911,14 +953,32 @@ impl Service {
         for _ in 0..CAS_ATTEMPTS {
             let mut rec = self.record(id)?;
             let mut op = self.operation(op_id)?;
+            let ended = op.status.is_terminal();
             let out = f(&mut rec, &mut op)?;
             match self.0.store.update_sandbox_and_op(&mut rec, &mut op) {
-                Ok(()) => return Ok((rec, op, out)),
+                Ok(()) => {
+                    self.note_op_end(ended, &op);
+                    return Ok((rec, op, out));
+                }
                 Err(StoreError::Conflict { .. }) => continue,
                 Err(e) => return Err(ServiceError::from(e).into()),
             }
         }
         Err(ServiceError::Conflict(format!("sandbox {id} kept changing under this write")).into())
+    }
+
+    /// Counts an operation that a write just ended (`ended`: whether it had before).
+    fn note_op_end(&self, ended: bool, op: &Operation) {
+        if ended || !op.status.is_terminal() {
+            return;
+        }
+        let took = retention::parse_time(&op.created_at)
+            .map(|t| time::OffsetDateTime::now_utc() - t)
+            .and_then(|d| std::time::Duration::try_from(d).ok())
+            .unwrap_or_default();
+        self.0
+            .metrics
+            .operation_ended(op.kind.as_str(), op.status.as_str(), took);
     }
 
     fn finish_op(&self, id: &str, error: Option<ApiError>) -> Result<Operation> {

@@ -327,9 +327,13 @@ impl Service {
                 tracing::info!(sandbox = %id, "purging the records of a failed sandbox");
                 let cleaned = svc.rt(&id).destroy(&id, &svc.sandbox_dir(&id)).await;
                 let _ = tokio::fs::remove_dir_all(svc.snapshot_dir(&id)).await;
-                if cleaned.is_ok() && svc.0.store.purge_sandbox(&id).is_ok() {
+                // Output first, records last: once the sandbox answers 404, nothing of
+                // it is left on disk.
+                if cleaned.is_ok() {
                     let _ = tokio::fs::remove_dir_all(svc.outputs_root().join(&id)).await;
-                    lock(&svc.0.activity).remove(&id);
+                    if svc.0.store.purge_sandbox(&id).is_ok() {
+                        lock(&svc.0.activity).remove(&id);
+                    }
                 }
             }
             drop(_lifecycle);
@@ -354,8 +358,10 @@ impl Service {
                     let gone = sb.destroyed_at.as_deref().and_then(parse_time);
                     if gone.is_some_and(|t| now - t > retention) {
                         tracing::info!(sandbox = %sb.id, "purging the records of a destroyed sandbox");
+                        // Output first, records last: once the sandbox answers 404,
+                        // nothing of it is left on disk (its retention is over either way).
+                        let _ = std::fs::remove_dir_all(self.outputs_root().join(&sb.id));
                         if self.0.store.purge_sandbox(&sb.id).is_ok() {
-                            let _ = std::fs::remove_dir_all(self.outputs_root().join(&sb.id));
                             lock(&self.0.activity).remove(&sb.id);
                         }
                     }

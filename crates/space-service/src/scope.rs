@@ -25,6 +25,11 @@ use super::files::{Download, DownloadFormat, UploadKind, UploadStream, Uploaded}
 use super::tenancy::{template_visible, Permit, Tenant};
 use super::{truncate, CommandOutputQuery, OutputEvent, Result, Service, ServiceError};
 
+/// How many access tokens a sandbox keeps (each E2B create or connect issues one).
+pub const ACCESS_TOKENS_KEPT: usize = 32;
+/// What every access token starts with.
+pub const ACCESS_TOKEN_PREFIX: &str = "sat_";
+
 /// Largest stdin write one call may carry.
 pub const MAX_STDIN_WRITE: usize = 1 << 20;
 
@@ -74,6 +79,10 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'sta
 }
 
 impl<'a> TenantService<'a> {
+    pub(crate) fn parts(&self) -> (&'a Service, &'a Tenant) {
+        (self.svc, self.tenant)
+    }
+
     fn owned(&self) -> Owned {
         Owned {
             svc: self.svc.clone(),
@@ -148,7 +157,7 @@ impl<'a> TenantService<'a> {
     /// `POST /v1/sandboxes`: admitted against the tenant's sandbox count and create rate.
     pub async fn create_sandbox(&self, req: CreateSandboxRequest) -> Result<Operation> {
         self.svc
-            .admit_create(self.tenant, || {
+            .admit_create(self.tenant, || async {
                 // Another tenant's template is as unknown as one that does not exist.
                 let name = req.template.trim();
                 if !self.template_visible(name)? {
@@ -157,7 +166,12 @@ impl<'a> TenantService<'a> {
                         truncate(name, 64)
                     )));
                 }
-                self.svc.create_sandbox(self.tenant.as_str(), req)
+                let rec = self.svc.prepare_create(self.tenant.as_str(), req)?;
+                // A warm pool's ready sandbox, when one matches; else one boots.
+                if let Some(op) = self.svc.claim_pooled(&rec).await {
+                    return Ok(op);
+                }
+                self.svc.start_create(rec)
             })
             .await
     }
@@ -277,6 +291,69 @@ impl<'a> TenantService<'a> {
         self.svc.resize(id, cid, rows, cols).await
     }
 
+    /// The command whose process is `pid` in sandbox `id`: the running one, else the
+    /// newest that had it (pids are reused).
+    pub async fn command_by_pid(&self, id: &str, pid: u32) -> Result<Command> {
+        let (scope, id) = (self.owned(), id.to_string());
+        blocking(move || {
+            let mut cmds = scope.scoped().list_commands(&id)?;
+            cmds.retain(|c| c.pid == Some(pid));
+            cmds.sort_by(|a, b| {
+                (a.result.is_none(), &a.created_at).cmp(&(b.result.is_none(), &b.created_at))
+            });
+            cmds.pop()
+                .ok_or_else(|| ServiceError::NotFound(format!("no process {pid} in sandbox {id}")))
+        })
+        .await
+    }
+
+    /// The caller's command `cid`, found by its id alone (command ids are unique); the
+    /// one 404 for another tenant's, a malformed and an unknown id.
+    pub async fn find_command(&self, cid: &str) -> Result<Command> {
+        let (scope, cid) = (self.owned(), cid.to_string());
+        blocking(move || {
+            let missing = || ServiceError::NotFound(format!("no command {}", truncate(&cid, 64)));
+            if !space_core::is_valid_id(&cid, "cmd") {
+                return Err(missing());
+            }
+            let sandbox = scope
+                .svc
+                .0
+                .store
+                .command_sandbox(&cid)?
+                .ok_or_else(missing)?;
+            scope.scoped().sandbox(&sandbox).map_err(|_| missing())?;
+            scope
+                .svc
+                .0
+                .store
+                .get_command(&sandbox, &cid)?
+                .ok_or_else(missing)
+        })
+        .await
+    }
+
+    // ---- access tokens ----
+
+    /// A new random token that authenticates requests to sandbox `id` alone, as this
+    /// tenant (the E2B-compatible envd API takes it). Only its hash is stored; a sandbox
+    /// keeps its [`ACCESS_TOKENS_KEPT`] newest, and loses them all with its records.
+    pub async fn issue_access_token(&self, id: &str) -> Result<String> {
+        let (scope, id) = (self.owned(), id.to_string());
+        blocking(move || {
+            scope.scoped().sandbox(&id)?;
+            let token = format!("{ACCESS_TOKEN_PREFIX}{}", space_core::new_token());
+            scope.svc.0.store.insert_access_token(
+                &super::tenancy::key_hash(&token),
+                &id,
+                scope.tenant.as_str(),
+                ACCESS_TOKENS_KEPT,
+            )?;
+            Ok(token)
+        })
+        .await
+    }
+
     // ---- files ----
 
     /// `path`'s bytes, or a tar of it, as a stream (see [`Download`]).
@@ -292,18 +369,21 @@ impl<'a> TenantService<'a> {
 
     /// Writes `body` at `path` (see [`UploadKind`]): at most the server's upload limit
     /// (`declared`: the length the caller announced, refused early when over it), one
-    /// of the tenant's uploads in flight meanwhile.
+    /// of the tenant's uploads in flight meanwhile. With `parents`, a file's missing
+    /// parent directories are made first (as E2B and Daytona do); without, a missing
+    /// parent is a 404.
     pub async fn upload_file(
         &self,
         id: &str,
         path: &str,
         kind: UploadKind,
+        parents: bool,
         declared: Option<u64>,
         body: UploadStream,
     ) -> Result<Uploaded> {
         self.sandbox(id)?;
         self.svc
-            .upload_file(self.tenant, id, path, kind, declared, body)
+            .upload_file(self.tenant, id, path, kind, parents, declared, body)
             .await
     }
 

@@ -57,6 +57,11 @@ pub struct Principal {
 }
 
 impl Principal {
+    /// Whether this is the server's own token (the operator), not a tenant's key.
+    pub fn is_server(&self) -> bool {
+        self.key_id.is_none()
+    }
+
     /// The server's own token.
     pub fn server() -> Principal {
         Principal {
@@ -332,6 +337,40 @@ impl Service {
             }))
     }
 
+    /// The tenant a sandbox access token (see
+    /// [`TenantService::issue_access_token`](crate::TenantService::issue_access_token))
+    /// acts for, when it is one of `sandbox_id`'s; 401 otherwise, alike for a missing,
+    /// wrong or another sandbox's token. Found by its hash: nothing compares the
+    /// presented secret byte by byte.
+    pub async fn authenticate_access_token(
+        &self,
+        sandbox_id: &str,
+        presented: Option<&str>,
+    ) -> Result<Tenant, ServiceError> {
+        let refused = || {
+            ServiceError::Api(space_api::ApiError::new(
+                space_api::ErrorCode::Unauthorized,
+                "missing or wrong access token for this sandbox",
+            ))
+        };
+        let Some(presented) = presented.map(str::trim) else {
+            return Err(refused());
+        };
+        if !presented.starts_with(crate::scope::ACCESS_TOKEN_PREFIX) || presented.len() > 128 {
+            return Err(refused());
+        }
+        let (hash, store) = (key_hash(presented), self.0.store.clone());
+        let found = tokio::task::spawn_blocking(move || store.access_token(&hash))
+            .await
+            .map_err(|e| ServiceError::Internal(e.to_string()))??;
+        match found {
+            Some((sb, tenant)) if constant_time_eq(sb.as_bytes(), sandbox_id.as_bytes()) => {
+                Ok(Tenant::new(&tenant))
+            }
+            _ => Err(refused()),
+        }
+    }
+
     /// Resolves once the key behind `principal` has been revoked (never, for the
     /// server's own token). Streams select on it so that revoking a key ends them.
     pub fn revoked(&self, principal: &Principal) -> impl std::future::Future<Output = ()> + Send {
@@ -393,11 +432,14 @@ impl Service {
     /// Runs `create` if `tenant` is under its sandbox count and create rate. The
     /// count check and the create happen under one per-tenant lock, so concurrent
     /// creates cannot overshoot the limit.
-    pub(crate) async fn admit_create<T>(
+    pub(crate) async fn admit_create<T, F>(
         &self,
         tenant: &Tenant,
-        create: impl FnOnce() -> super::Result<T>,
-    ) -> super::Result<T> {
+        create: impl FnOnce() -> F,
+    ) -> super::Result<T>
+    where
+        F: std::future::Future<Output = super::Result<T>>,
+    {
         let tenancy = &self.0.tenancy;
         let lock = tenancy.create_lock(tenant);
         let _held = lock.lock().await;
@@ -415,7 +457,7 @@ impl Service {
             });
         }
         tenancy.take_create_token(tenant, limits.creates_per_minute)?;
-        create()
+        create().await
     }
 
     /// Runs `start` (which records a build operation) if `tenant` has fewer unfinished

@@ -301,6 +301,8 @@ impl TestBed {
             max_upload_bytes: 1 << 20,
             server_token: None,
             limits: Limits::default(),
+            pool_max_sandboxes: 16,
+            pool_fills: 2,
         }
     }
 
@@ -430,6 +432,7 @@ impl TestBed {
             version: 0,
             sandbox_id: sb.to_string(),
             state,
+            pid: None,
             argv: vec!["sleep".into(), "1000".into()],
             cwd: None,
             user: None,
@@ -682,6 +685,22 @@ impl Store for LoggingStore {
     fn key_for_hash(&self, hash: &str) -> Result<Option<(String, String)>, StoreError> {
         self.inner.key_for_hash(hash)
     }
+    fn command_sandbox(&self, id: &str) -> Result<Option<String>, StoreError> {
+        self.inner.command_sandbox(id)
+    }
+    fn insert_access_token(
+        &self,
+        hash: &str,
+        sandbox_id: &str,
+        tenant: &str,
+        keep: usize,
+    ) -> Result<(), StoreError> {
+        self.inner
+            .insert_access_token(hash, sandbox_id, tenant, keep)
+    }
+    fn access_token(&self, hash: &str) -> Result<Option<(String, String)>, StoreError> {
+        self.inner.access_token(hash)
+    }
     fn revoked_key_ids(&self) -> Result<Vec<String>, StoreError> {
         self.inner.revoked_key_ids()
     }
@@ -717,5 +736,24 @@ impl Store for LoggingStore {
             &[name],
             self.inner.release_template(name),
         )
+    }
+    fn list_pools(&self) -> Result<Vec<space_api::Pool>, StoreError> {
+        self.inner.list_pools()
+    }
+    fn put_pool(&self, pool: &space_api::Pool) -> Result<(), StoreError> {
+        self.log("put_pool", &[&pool.id], self.inner.put_pool(pool))
+    }
+    fn delete_pool(&self, id: &str) -> Result<bool, StoreError> {
+        self.log("delete_pool", &[id], self.inner.delete_pool(id))
+    }
+    fn claim_sandbox(
+        &self,
+        rec: &mut SandboxRecord,
+        from: &str,
+        op: &Operation,
+    ) -> Result<(), StoreError> {
+        let ids = [rec.sandbox.id.clone(), op.id.clone()];
+        let r = self.inner.claim_sandbox(rec, from, op);
+        self.log("claim_sandbox", &[&ids[0], &ids[1]], r)
     }
 }

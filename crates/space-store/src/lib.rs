@@ -9,8 +9,9 @@ use std::sync::{Mutex, MutexGuard};
 
 use rusqlite::{params, Connection, OptionalExtension};
 use serde::{Deserialize, Serialize};
-use space_api::{Command, Event, Operation, Sandbox};
+use space_api::{Command, Event, Operation, Pool, Sandbox};
 
+mod pools;
 mod tenants;
 pub use tenants::{ApiKey, TenantLimits};
 
@@ -143,6 +144,20 @@ const MIGRATIONS: &[&str] = &[
     "ALTER TABLE sandboxes ADD COLUMN version INTEGER NOT NULL DEFAULT 0;
     ALTER TABLE operations ADD COLUMN version INTEGER NOT NULL DEFAULT 0;
     ALTER TABLE commands ADD COLUMN version INTEGER NOT NULL DEFAULT 0;",
+    // 6: per-sandbox access tokens (hashed), which the E2B-compatible envd API takes.
+    "CREATE TABLE access_tokens (
+        hash TEXT PRIMARY KEY,
+        sandbox_id TEXT NOT NULL,
+        tenant TEXT NOT NULL,
+        created_at TEXT NOT NULL
+    );
+    CREATE INDEX access_tokens_sandbox ON access_tokens(sandbox_id, created_at);",
+    // 7: warm pools (their sandboxes are rows of the service's pool tenant).
+    "CREATE TABLE pools (
+        id TEXT PRIMARY KEY,
+        created_at TEXT NOT NULL,
+        doc TEXT NOT NULL
+    );",
 ];
 
 /// The SQLite store (one connection, WAL). Each call is one transaction, run off the
@@ -227,6 +242,8 @@ pub trait Store: Send + Sync {
     /// [`StoreError::Conflict`]); on success `cmd` has the new version.
     fn update_command(&self, cmd: &mut Command) -> Result<(), StoreError>;
     fn get_command(&self, sandbox_id: &str, id: &str) -> Result<Option<Command>, StoreError>;
+    /// The sandbox of command `id` (ids are unique across sandboxes).
+    fn command_sandbox(&self, id: &str) -> Result<Option<String>, StoreError>;
     /// Commands of a sandbox, oldest first.
     fn list_commands(&self, sandbox_id: &str) -> Result<Vec<Command>, StoreError>;
     /// Commands that have not ended, in any sandbox.
@@ -242,6 +259,17 @@ pub trait Store: Send + Sync {
     fn tenant_for_key_hash(&self, hash: &str) -> Result<Option<String>, StoreError>;
     /// The id and tenant of the live (not revoked) key with this hash.
     fn key_for_hash(&self, hash: &str) -> Result<Option<(String, String)>, StoreError>;
+    /// Stores the hash of a new access token of a sandbox, keeping only the sandbox's
+    /// `keep` newest tokens.
+    fn insert_access_token(
+        &self,
+        hash: &str,
+        sandbox_id: &str,
+        tenant: &str,
+        keep: usize,
+    ) -> Result<(), StoreError>;
+    /// The sandbox and tenant of the access token with this hash.
+    fn access_token(&self, hash: &str) -> Result<Option<(String, String)>, StoreError>;
     /// Ids of every revoked key (`space keys revoke` writes the database directly, so a
     /// running server learns of revocations by reading them).
     fn revoked_key_ids(&self) -> Result<Vec<String>, StoreError>;
@@ -257,6 +285,22 @@ pub trait Store: Send + Sync {
     /// Claims `name` for `tenant`; `false` when another tenant owns it.
     fn claim_template(&self, name: &str, tenant: &str) -> Result<bool, StoreError>;
     fn release_template(&self, name: &str) -> Result<(), StoreError>;
+    /// Every warm pool, oldest first.
+    fn list_pools(&self) -> Result<Vec<Pool>, StoreError>;
+    /// Stores a pool (new, or changed under its id).
+    fn put_pool(&self, pool: &Pool) -> Result<(), StoreError>;
+    /// Removes a pool; `false` when there is none with that id.
+    fn delete_pool(&self, id: &str) -> Result<bool, StoreError>;
+    /// Moves the pooled sandbox `rec` (read at its version, still of tenant `from`) to
+    /// the tenant and settings `rec` now has, with `op` as its create, in one
+    /// compare-and-swap transaction; what its time in the pool left in the store
+    /// (operations, commands, access tokens) goes.
+    fn claim_sandbox(
+        &self,
+        rec: &mut SandboxRecord,
+        from: &str,
+        op: &Operation,
+    ) -> Result<(), StoreError>;
 }
 
 impl Store for SqliteStore {
@@ -364,6 +408,10 @@ impl Store for SqliteStore {
         offload(|| SqliteStore::get_command(self, sandbox_id, id))
     }
 
+    fn command_sandbox(&self, id: &str) -> Result<Option<String>, StoreError> {
+        offload(|| SqliteStore::command_sandbox(self, id))
+    }
+
     fn list_commands(&self, sandbox_id: &str) -> Result<Vec<Command>, StoreError> {
         offload(|| SqliteStore::list_commands(self, sandbox_id))
     }
@@ -386,6 +434,20 @@ impl Store for SqliteStore {
 
     fn tenant_for_key_hash(&self, hash: &str) -> Result<Option<String>, StoreError> {
         offload(|| SqliteStore::tenant_for_key_hash(self, hash))
+    }
+
+    fn insert_access_token(
+        &self,
+        hash: &str,
+        sandbox_id: &str,
+        tenant: &str,
+        keep: usize,
+    ) -> Result<(), StoreError> {
+        offload(|| SqliteStore::insert_access_token(self, hash, sandbox_id, tenant, keep))
+    }
+
+    fn access_token(&self, hash: &str) -> Result<Option<(String, String)>, StoreError> {
+        offload(|| SqliteStore::access_token(self, hash))
     }
 
     fn key_for_hash(&self, hash: &str) -> Result<Option<(String, String)>, StoreError> {
@@ -422,6 +484,27 @@ impl Store for SqliteStore {
 
     fn release_template(&self, name: &str) -> Result<(), StoreError> {
         offload(|| SqliteStore::release_template(self, name))
+    }
+
+    fn list_pools(&self) -> Result<Vec<Pool>, StoreError> {
+        offload(|| SqliteStore::list_pools(self))
+    }
+
+    fn put_pool(&self, pool: &Pool) -> Result<(), StoreError> {
+        offload(|| SqliteStore::put_pool(self, pool))
+    }
+
+    fn delete_pool(&self, id: &str) -> Result<bool, StoreError> {
+        offload(|| SqliteStore::delete_pool(self, id))
+    }
+
+    fn claim_sandbox(
+        &self,
+        rec: &mut SandboxRecord,
+        from: &str,
+        op: &Operation,
+    ) -> Result<(), StoreError> {
+        offload(|| SqliteStore::claim_sandbox(self, rec, from, op))
     }
 }
 
@@ -554,6 +637,7 @@ impl SqliteStore {
         let mut conn = self.conn();
         let tx = conn.transaction()?;
         tx.execute("DELETE FROM commands WHERE sandbox_id = ?1", [id])?;
+        tx.execute("DELETE FROM access_tokens WHERE sandbox_id = ?1", [id])?;
         tx.execute("DELETE FROM operations WHERE sandbox_id = ?1", [id])?;
         tx.execute("DELETE FROM sandboxes WHERE id = ?1", [id])?;
         tx.commit()?;
@@ -697,7 +781,7 @@ impl SqliteStore {
     pub fn list_sandboxes(&self) -> Result<Vec<SandboxRecord>, StoreError> {
         let conn = self.conn();
         let mut stmt =
-            conn.prepare_cached("SELECT version, doc FROM sandboxes ORDER BY created_at, id")?;
+            conn.prepare_cached("SELECT version, doc FROM sandboxes ORDER BY created_at, rowid")?;
         let rows = stmt
             .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?
             .collect::<Result<Vec<(i64, String)>, _>>()?;
@@ -708,7 +792,7 @@ impl SqliteStore {
     pub fn list_tenant_sandboxes(&self, tenant: &str) -> Result<Vec<SandboxRecord>, StoreError> {
         let conn = self.conn();
         let mut stmt = conn.prepare_cached(
-            "SELECT version, doc FROM sandboxes WHERE tenant = ?1 ORDER BY created_at, id",
+            "SELECT version, doc FROM sandboxes WHERE tenant = ?1 ORDER BY created_at, rowid",
         )?;
         let rows = stmt
             .query_map([tenant], |r| Ok((r.get(0)?, r.get(1)?)))?
@@ -773,7 +857,7 @@ impl SqliteStore {
             .prepare_cached(
                 "SELECT tenant, version, doc FROM operations
                  WHERE tenant = ?1 AND (?2 IS NULL OR sandbox_id = ?2)
-                 ORDER BY created_at DESC, id DESC LIMIT ?3",
+                 ORDER BY created_at DESC, rowid DESC LIMIT ?3",
             )?
             .query_map(params![tenant, sandbox_id, limit], |r| {
                 Ok((r.get(0)?, r.get(1)?, r.get(2)?))
@@ -799,7 +883,7 @@ impl SqliteStore {
         let rows: Vec<(String, i64, String)> = conn
             .prepare_cached(
                 "SELECT tenant, version, doc FROM operations WHERE status IN ('pending', 'running')
-                 ORDER BY created_at, id",
+                 ORDER BY created_at, rowid",
             )?
             .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?
             .collect::<Result<_, _>>()?;
@@ -853,6 +937,14 @@ impl SqliteStore {
         Ok(())
     }
 
+    pub fn command_sandbox(&self, id: &str) -> Result<Option<String>, StoreError> {
+        Ok(self
+            .conn()
+            .prepare_cached("SELECT sandbox_id FROM commands WHERE id = ?1")?
+            .query_row([id], |r| r.get(0))
+            .optional()?)
+    }
+
     pub fn get_command(&self, sandbox_id: &str, id: &str) -> Result<Option<Command>, StoreError> {
         let row: Option<(i64, String)> = self
             .conn()
@@ -867,7 +959,7 @@ impl SqliteStore {
         let conn = self.conn();
         let rows: Vec<(i64, String)> = conn
             .prepare_cached(
-                "SELECT version, doc FROM commands WHERE sandbox_id = ?1 ORDER BY created_at, id",
+                "SELECT version, doc FROM commands WHERE sandbox_id = ?1 ORDER BY created_at, rowid",
             )?
             .query_map([sandbox_id], |r| Ok((r.get(0)?, r.get(1)?)))?
             .collect::<Result<_, _>>()?;
@@ -880,7 +972,7 @@ impl SqliteStore {
         let rows: Vec<(i64, String)> = conn
             .prepare_cached(
                 "SELECT version, doc FROM commands WHERE state IN ('starting', 'running')
-                 ORDER BY created_at, id",
+                 ORDER BY created_at, rowid",
             )?
             .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?
             .collect::<Result<_, _>>()?;
@@ -1132,6 +1224,57 @@ mod tests {
             vec![o]
         );
         assert!(s.get_sandbox("sb_2").unwrap().is_none());
+    }
+
+    /// Records made in the same millisecond list in the order they were made, whatever
+    /// their (random) ids: a sandbox's destroy never lists before its create.
+    #[test]
+    fn ties_in_time_list_in_the_order_they_were_made() {
+        let s = SqliteStore::open_in_memory().unwrap();
+        let at = "2026-01-01T00:00:00.000Z";
+        // Ids that sort the other way round from the order they are made in.
+        let ids = ["z", "m", "a"];
+        for id in ids {
+            let mut rec = sandbox(&format!("sb_{id}"));
+            rec.sandbox.created_at = at.into();
+            let mut o = op(&format!("op_{id}"), "sb_z");
+            o.created_at = at.into();
+            if id == "z" {
+                s.insert_sandbox(&rec, &o).unwrap();
+            } else {
+                s.insert_sandbox(&rec, &op(&format!("op_sb_{id}"), &rec.sandbox.id))
+                    .unwrap();
+                s.insert_operation(&o).unwrap();
+            }
+            let c: Command = serde_json::from_value(serde_json::json!({
+                "id": format!("cmd_{id}"), "sandbox_id": "sb_z", "state": "running",
+                "argv": ["true"], "cwd": null, "user": null, "created_at": at,
+                "ended_at": null, "result": null, "lost_reason": null, "output_url": "",
+            }))
+            .unwrap();
+            s.insert_command("default", &c).unwrap();
+        }
+        let sandboxes: Vec<String> = s
+            .list_sandboxes()
+            .unwrap()
+            .into_iter()
+            .map(|r| r.sandbox.id)
+            .collect();
+        assert_eq!(sandboxes, ["sb_z", "sb_m", "sb_a"]);
+        let ops: Vec<String> = s
+            .list_operations("default", Some("sb_z"), 10)
+            .unwrap()
+            .into_iter()
+            .map(|o| o.id)
+            .collect();
+        assert_eq!(ops, ["op_a", "op_m", "op_z"], "newest first");
+        let commands: Vec<String> = s
+            .list_commands("sb_z")
+            .unwrap()
+            .into_iter()
+            .map(|c| c.id)
+            .collect();
+        assert_eq!(commands, ["cmd_z", "cmd_m", "cmd_a"]);
     }
 
     #[test]

@@ -35,6 +35,42 @@ impl SqliteStore {
         Ok(())
     }
 
+    /// Stores a sandbox's access token (its hash), keeping its `keep` newest.
+    pub fn insert_access_token(
+        &self,
+        hash: &str,
+        sandbox_id: &str,
+        tenant: &str,
+        keep: usize,
+    ) -> Result<(), StoreError> {
+        let mut conn = self.conn();
+        let tx = conn.transaction()?;
+        tx.execute(
+            "INSERT INTO access_tokens (hash, sandbox_id, tenant, created_at) VALUES (?1, ?2, ?3, ?4)",
+            params![hash, sandbox_id, tenant, space_core::now_rfc3339()],
+        )?;
+        tx.execute(
+            "DELETE FROM access_tokens WHERE sandbox_id = ?1 AND hash NOT IN \
+             (SELECT hash FROM access_tokens WHERE sandbox_id = ?1 \
+              ORDER BY created_at DESC, rowid DESC LIMIT ?2)",
+            params![sandbox_id, keep as i64],
+        )?;
+        tx.commit()?;
+        Ok(())
+    }
+
+    /// The sandbox and tenant of the access token with this hash.
+    pub fn access_token(&self, hash: &str) -> Result<Option<(String, String)>, StoreError> {
+        Ok(self
+            .conn()
+            .query_row(
+                "SELECT sandbox_id, tenant FROM access_tokens WHERE hash = ?1",
+                [hash],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .optional()?)
+    }
+
     /// The tenant of the live (not revoked) key with this hash.
     pub fn tenant_for_key_hash(&self, hash: &str) -> Result<Option<String>, StoreError> {
         Ok(self.key_for_hash(hash)?.map(|(_, tenant)| tenant))
@@ -68,7 +104,7 @@ impl SqliteStore {
         let conn = self.conn();
         let mut stmt = conn.prepare(
             "SELECT id, tenant, name, created_at, revoked_at FROM api_keys
-             WHERE ?1 IS NULL OR tenant = ?1 ORDER BY created_at, id",
+             WHERE ?1 IS NULL OR tenant = ?1 ORDER BY created_at, rowid",
         )?;
         let keys = stmt
             .query_map([tenant], |r| {

@@ -97,6 +97,10 @@ fn main() {
     }
     let floor_cmd = format!("/bin/head -c {STREAM_BYTES} /dev/zero > /dev/null");
     let (r_floor, _) = raw.exec(&rid, &["/bin/sh", "-c", &floor_cmd]);
+    // The same bytes through one pipe between two processes in the sandbox: what any relay
+    // by an in-sandbox process (as the agent is) pays before a byte leaves the sandbox.
+    let hop_cmd = format!("/bin/head -c {STREAM_BYTES} /dev/zero | /bin/cat > /dev/null");
+    let (r_hop, _) = raw.exec(&rid, &["/bin/sh", "-c", &hop_cmd]);
     rt.block_on(check_ours(&c, &ours));
     check_raw(&raw, &rid);
 
@@ -178,6 +182,12 @@ fn main() {
         "n/a".into(),
         format!("{:.1} MiB/s", rate(r_floor)),
     );
+    one_side(
+        "  head | cat in sandbox (extra)",
+        "n=1",
+        "n/a".into(),
+        format!("{:.1} MiB/s", rate(r_hop)),
+    );
     for l in &levels {
         let clients = format!(
             "{} client{}",
@@ -208,7 +218,8 @@ fn main() {
          checked to be zero; the server keeps all output (--output-cap-mib 0). raw stream = a \
          whole `runsc exec /bin/head` process, stdout counted through a pipe; re-read = GET \
          output?stream=stdout without follow after the end; head to /dev/null = `runsc exec \
-         /bin/sh -c 'head ... > /dev/null'`. One untimed {} MiB warm-up stream and \
+         /bin/sh -c 'head ... > /dev/null'`; head | cat = the same through one pipe in the \
+         sandbox to `cat > /dev/null`, the toll of any relay by an in-sandbox process. One untimed {} MiB warm-up stream and \
          {EXEC_WARMUPS} untimed `true` calls per side. ours exec = POST with wait:true from \
          each client on its own connection; raw exec = a whole `runsc exec /bin/true` process \
          per call; each client makes its calls one after another, ours at a level before raw; \

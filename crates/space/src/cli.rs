@@ -121,8 +121,38 @@ pub struct ExecArgs {
     pub argv: Vec<String>,
 }
 
+/// `space pool …`: warm pools (the server's own token only).
+#[derive(Subcommand)]
+pub enum PoolCmd {
+    /// Create a pool, or set its size: `space pool set debian --size 4`.
+    Set {
+        template: String,
+        /// Ready sandboxes to keep (0 keeps the pool, empty).
+        #[arg(long)]
+        size: u32,
+        #[arg(long)]
+        runtime: Option<String>,
+        #[arg(long)]
+        vcpus: Option<u32>,
+        #[arg(long)]
+        memory_mib: Option<u64>,
+        #[arg(long)]
+        disk_mib: Option<u64>,
+        #[arg(long)]
+        pids: Option<u64>,
+        /// `none` (default) or `egress` (a create's allowlist is applied when it claims).
+        #[arg(long)]
+        network: Option<String>,
+    },
+    /// List pools with their ready and booting sandboxes.
+    Ls,
+    /// Remove a pool (its sandboxes are destroyed): `space pool rm pool_…`.
+    Rm { id: String },
+}
+
 pub enum ClientCmd {
     Template(TemplateCmd),
+    Pool(PoolCmd),
     Sandbox(SandboxCmd),
     Ops(OpsCmd),
     Exec(ExecArgs),
@@ -253,6 +283,7 @@ pub async fn run(cmd: ClientCmd) -> anyhow::Result<i32> {
                 1
             });
         }
+        ClientCmd::Pool(cmd) => return pool(&c, cmd).await,
         ClientCmd::Templates => {
             let templates = c.templates().await?;
             println!("{:<12} {:<6} {:<8} SIZE", "NAME", "READY", "BUILTIN");
@@ -561,4 +592,66 @@ async fn template_cmd(c: &Client, cmd: TemplateCmd) -> anyhow::Result<i32> {
             Ok(0)
         }
     }
+}
+
+async fn pool(c: &Client, cmd: PoolCmd) -> anyhow::Result<i32> {
+    match cmd {
+        PoolCmd::Set {
+            template,
+            size,
+            runtime,
+            vcpus,
+            memory_mib,
+            disk_mib,
+            pids,
+            network,
+        } => {
+            let any =
+                vcpus.is_some() || memory_mib.is_some() || pids.is_some() || disk_mib.is_some();
+            let spec = space_api::PoolSpec {
+                template,
+                size,
+                runtime,
+                resources: any.then_some(Resources {
+                    vcpus,
+                    memory_mib,
+                    disk_mib,
+                    pids,
+                }),
+                network,
+            };
+            print_json(&c.set_pool(&spec).await?)?;
+        }
+        PoolCmd::Ls => {
+            println!(
+                "{:<22} {:<12} {:<8} {:<7} {:>4} {:>5} {:>8} {:>6}  RESOURCES",
+                "ID", "TEMPLATE", "RUNTIME", "NETWORK", "SIZE", "READY", "STARTING", "CLAIMS"
+            );
+            for p in c.pools().await? {
+                let r = &p.resources;
+                println!(
+                    "{:<22} {:<12} {:<8} {:<7} {:>4} {:>5} {:>8} {:>6}  {} vcpu, {} MiB, {} MiB disk{}",
+                    p.id,
+                    p.template,
+                    p.runtime,
+                    p.network,
+                    p.size,
+                    p.ready,
+                    p.starting,
+                    p.claims,
+                    r.vcpus.unwrap_or(0),
+                    r.memory_mib.unwrap_or(0),
+                    r.disk_mib.unwrap_or(0),
+                    p.last_error
+                        .map(|e| format!("  (last error: {e})"))
+                        .unwrap_or_default(),
+                );
+            }
+        }
+        PoolCmd::Rm { id } => {
+            c.delete_pool(&id).await?;
+            eprintln!("removed {id}");
+        }
+    }
+    Ok(0)
 }

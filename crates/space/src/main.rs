@@ -4,8 +4,11 @@ mod api;
 mod cli;
 mod cli_files;
 mod doctor;
+mod e2b;
 mod keys;
 mod listen;
+mod mcp;
+mod mcp_stdio;
 use space_service as service;
 mod tty;
 
@@ -45,6 +48,9 @@ enum Cmd {
     /// Build, list and delete templates.
     #[command(subcommand)]
     Template(cli::TemplateCmd),
+    /// Warm pools: ready sandboxes a matching create claims (the server's token only).
+    #[command(subcommand)]
+    Pool(cli::PoolCmd),
     /// Follow the server's events (sandbox and operation changes) as JSON lines.
     Events {
         /// Replay from after this event id (0: all retained history).
@@ -79,6 +85,9 @@ enum Cmd {
     /// Per-tenant limits. Works on the data dir.
     #[command(subcommand)]
     Tenants(keys::TenantsCmd),
+    /// The MCP server over stdio (for agents that start tools as subprocesses): carries
+    /// each message to the server's `/mcp` with `SPACE_URL` and `SPACE_TOKEN`.
+    Mcp,
 }
 
 #[derive(Subcommand)]
@@ -131,6 +140,9 @@ struct ServeArgs {
     /// Largest file upload through the file API, MiB (a tar upload: what it extracts to).
     #[arg(long, default_value_t = 16384)]
     max_upload_mib: u64,
+    /// The template E2B's `base` stands for (the E2B-compatible API, docs/E2B.md).
+    #[arg(long, default_value = "debian")]
+    e2b_template: String,
     /// Guest kernel and initramfs of the microvm runtime (scripts/build-guest.sh makes them;
     /// default: `guest/` beside the target dir of this executable, else DATA_DIR/guest).
     #[arg(long, env = "SPACE_GUEST_DIR")]
@@ -235,6 +247,15 @@ struct ServeArgs {
     /// Connections one client address may hold open (past it: 429, closed at once).
     #[arg(long, default_value_t = 256)]
     max_connections_per_ip: usize,
+    /// Log lines as text, or as one JSON object per line (`json`).
+    #[arg(long, value_enum, default_value = "text")]
+    log_format: LogFormat,
+    /// Sandboxes all warm pools may hold together (`space pool set`, docs/POOLS.md).
+    #[arg(long, default_value_t = 16)]
+    pool_max_sandboxes: u64,
+    /// Pooled sandboxes that may boot at once, server-wide (they share the create slots).
+    #[arg(long, default_value_t = 1)]
+    pool_fills: usize,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -244,7 +265,7 @@ fn main() -> anyhow::Result<()> {
         .build()?;
     match cli.command {
         Cmd::Serve(args) => {
-            init_tracing();
+            init_tracing(args.log_format);
             rt.block_on(serve(*args))
         }
         Cmd::Admin(AdminCmd::PrepareTemplate {
@@ -252,7 +273,7 @@ fn main() -> anyhow::Result<()> {
             data_dir,
             templates_dir,
         }) => {
-            init_tracing();
+            init_tracing(LogFormat::Text);
             rt.block_on(async {
                 let dir = templates_dir.unwrap_or_else(|| data_dir.join("templates"));
                 let store = space_runtime::template::TemplateStore::new(dir)?;
@@ -277,6 +298,7 @@ fn main() -> anyhow::Result<()> {
             std::process::exit(doctor::run(&runsc, &data_dir, &guest_dir))
         }
         Cmd::Keys(c) => exit_with(keys::keys(c).map(|()| 0)),
+        Cmd::Mcp => exit_with(rt.block_on(mcp_stdio::run())),
         Cmd::Tenants(c) => exit_with(keys::tenants(c).map(|()| 0)),
         Cmd::Cp { src, dst } => exit_with(rt.block_on(cli_files::cp(&src, &dst))),
         Cmd::Ls { target, depth } => exit_with(rt.block_on(cli_files::ls(&target, depth))),
@@ -298,6 +320,7 @@ impl Cmd {
             Cmd::Exec(a) => cli::ClientCmd::Exec(a),
             Cmd::Templates => cli::ClientCmd::Templates,
             Cmd::Template(c) => cli::ClientCmd::Template(c),
+            Cmd::Pool(c) => cli::ClientCmd::Pool(c),
             Cmd::Events { after } => cli::ClientCmd::Events { after },
             Cmd::Serve(_)
             | Cmd::Admin(_)
@@ -305,6 +328,7 @@ impl Cmd {
             | Cmd::Ls { .. }
             | Cmd::Doctor { .. }
             | Cmd::Keys(_)
+            | Cmd::Mcp
             | Cmd::Tenants(_) => {
                 unreachable!("handled in main")
             }
@@ -440,14 +464,25 @@ fn exit_with(r: anyhow::Result<i32>) -> ! {
     }
 }
 
-fn init_tracing() {
+/// `--log-format`: lines for people, or one JSON object per line for a log pipeline.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+fn init_tracing(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_env("SPACE_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    tracing_subscriber::fmt()
+    let fmt = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => fmt
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+            .init(),
+        LogFormat::Json => fmt.json().flatten_event(true).with_ansi(false).init(),
+    }
 }
 
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
@@ -562,11 +597,20 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             max_builds: args.tenant_max_builds,
             max_uploads: args.tenant_max_uploads,
         },
+        pool_max_sandboxes: args.pool_max_sandboxes,
+        pool_fills: args.pool_fills,
     };
     let service = service::Service::start(cfg, runtimes)
         .await
         .context("starting the service")?;
-    let app = api::router(api::AppState { service });
+    let e2b = e2b::E2bState::new(service.clone(), &args.e2b_template);
+    let mcp = axum::Router::new()
+        .nest_service("/mcp", mcp::http_service(service.clone()))
+        .layer(axum::middleware::from_fn_with_state(
+            service.clone(),
+            mcp::auth,
+        ));
+    let app = api::router(api::AppState { service }, e2b::router(e2b).merge(mcp));
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("listening on {}", args.listen))?;

@@ -52,6 +52,21 @@ async fn stdin_through_post_with_eof() {
     s.destroy(&sb).await;
 }
 
+/// Input for a command that ends as it arrives is taken (204) or refused as too late
+/// (409), never left waiting for an agent that will not attach again (that was a 503
+/// after 20 s).
+#[tokio::test]
+async fn stdin_racing_the_end_of_a_command_gets_an_answer() {
+    let s = TestServer::start().await;
+    let sb = s.create("busybox").await;
+    for _ in 0..10 {
+        let cid = start(&s, &sb, json!({"argv": ["true"], "stdin": true})).await;
+        let st = stdin(&s, &sb, &cid, "x", true).await;
+        assert!(st == 204 || st == 409, "stdin to an ending command: {st}");
+    }
+    s.destroy(&sb).await;
+}
+
 /// Connects to a command's attach WebSocket.
 async fn attach(s: &TestServer, sb: &str, cid: &str) -> AttachSocket {
     s.client().attach(sb, cid, None).await.expect("attach")

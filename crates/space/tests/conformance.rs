@@ -63,6 +63,25 @@ async fn commands_env_exit_codes_and_streams(rt: &str) {
         .sh(&sb, "tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d ' '")
         .await;
     assert_eq!(out["stdout"], "lo\n", "{out}");
+    // Two busy streams at once (the agent gathers a busy pipe's output): every byte of
+    // each arrives, in order, and small writes after them still come through.
+    let out = s
+        .sh(&sb, "seq 1 200000 & seq 1 100000 >&2; wait; echo tail")
+        .await;
+    assert_eq!(out["result"]["exit_code"], 0, "{out}");
+    let cid = out["id"].as_str().unwrap();
+    let (chunks, end) = s.output(&sb, cid, OutputQuery::default()).await;
+    assert_eq!(end.and_then(|e| e.exit_code()), Some(0));
+    let lines = |n: u32| (1..=n).map(|i| format!("{i}\n")).collect::<String>();
+    let stdout = String::from_utf8(decode(&chunks, Some(StdStream::Stdout))).unwrap();
+    assert!(
+        stdout == lines(200000) + "tail\n",
+        "stdout: {} bytes, ends {:?}",
+        stdout.len(),
+        &stdout[stdout.len().saturating_sub(40)..]
+    );
+    let stderr = String::from_utf8(decode(&chunks, Some(StdStream::Stderr))).unwrap();
+    assert!(stderr == lines(100000), "stderr: {} bytes", stderr.len());
     s.destroy(&sb).await;
 }
 

@@ -659,3 +659,59 @@ async fn a_symlink_swapped_in_during_uploads_never_leads_out() {
     let _ = writeln!(out, "race statuses: {statuses:?}");
     s.destroy(&sb).await;
 }
+
+/// An upload makes the file's missing parent directories, as E2B and Daytona do;
+/// `parents=false` refuses instead (404), and nothing is made.
+#[tokio::test]
+async fn uploads_make_missing_parents_unless_told_not_to() {
+    let s = TestServer::start().await;
+    let sb = s.create("busybox").await;
+    let files = format!("/v1/sandboxes/{sb}/files");
+
+    let (st, v) = put(
+        &s,
+        &sb,
+        "path=/proj/src/deep/main.rs",
+        b"fn main() {}\n".to_vec(),
+    )
+    .await;
+    assert_eq!(st, 201, "{v}");
+    assert_eq!(v["path"], "/proj/src/deep/main.rs");
+    let (st, v) = s.get(&format!("{files}/stat?path=/proj/src/deep")).await;
+    assert_eq!((st, v["type"].as_str()), (200, Some("dir")), "{v}");
+    let (st, _, body) = fetch(&s, &sb, "path=/proj/src/deep/main.rs").await;
+    assert_eq!((st, &body[..]), (200, &b"fn main() {}\n"[..]));
+
+    // Told not to: a missing parent is a 404 and nothing is made.
+    let (st, v) = put(
+        &s,
+        &sb,
+        "path=/other/dir/x.txt&parents=false",
+        b"x".to_vec(),
+    )
+    .await;
+    assert_eq!(st, 404, "{v}");
+    let (st, _) = s.get(&format!("{files}/stat?path=/other")).await;
+    assert_eq!(st, 404, "parents=false made a directory");
+    // An existing parent needs nothing made, either way.
+    let (st, v) = put(&s, &sb, "path=/proj/top.txt&parents=false", b"t".to_vec()).await;
+    assert_eq!(st, 201, "{v}");
+
+    // A parent that is a file: a clear 4xx, and the file is untouched.
+    let (st, v) = put(&s, &sb, "path=/proj/top.txt/under.txt", b"u".to_vec()).await;
+    assert!((400..500).contains(&st), "{st} {v}");
+    let (_, _, body) = fetch(&s, &sb, "path=/proj/top.txt").await;
+    assert_eq!(body, b"t");
+    // A symlinked parent resolves inside the sandbox, as every path of the file API.
+    s.sh(&sb, "ln -s /etc /proj/link").await;
+    let (st, v) = put(&s, &sb, "path=/proj/link/new/x.txt", b"x".to_vec()).await;
+    assert_eq!(st, 201, "{v}");
+    assert_eq!(s.sh(&sb, "cat /etc/new/x.txt").await["stdout"], "x");
+
+    // parents is an upload parameter of single files only.
+    let (st, v) = put(&s, &sb, "path=/proj&format=tar&parents=true", Vec::new()).await;
+    assert_eq!(st, 400, "{v}");
+    let (st, _, _) = fetch(&s, &sb, "path=/proj/top.txt&parents=true").await;
+    assert_eq!(st, 400);
+    s.destroy(&sb).await;
+}

@@ -273,6 +273,14 @@ async fn ttl_destroys_at_expiry_and_keepalive_extends_it() {
     let (_, v) = s.get(&format!("/v1/sandboxes/{sb}")).await;
     assert!(v["expires_at"].is_string(), "{v}");
     let first = v["expires_at"].as_str().unwrap().to_string();
+    // The lifetime counts from when the create succeeded, not from its request.
+    let created = operation_of(&s, &sb, "create").await;
+    assert_eq!(created["status"], "succeeded", "{created}");
+    let ready_ms = epoch_ms(created["updated_at"].as_str().unwrap());
+    assert!(
+        epoch_ms(&first) >= ready_ms + 3000,
+        "expires_at {first} is not 3 s after the create succeeded ({created})"
+    );
     // Keepalive pushes the deadline out.
     let (st, v) = s
         .post(
@@ -287,14 +295,7 @@ async fn ttl_destroys_at_expiry_and_keepalive_extends_it() {
         .await;
     assert!(ev.object["destroyed_at"].is_string(), "{ev:?}");
     s.assert_nothing_left(&sb);
-    let (_, ops) = s.get(&format!("/v1/operations?sandbox_id={sb}")).await;
-    let destroy = ops["operations"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|o| o["kind"] == "destroy")
-        .cloned()
-        .unwrap();
+    let destroy = operation_of(&s, &sb, "destroy").await;
     assert_eq!(destroy["status"], "succeeded");
     // Bad lifetimes are refused.
     let (st, _) = s
@@ -333,14 +334,7 @@ async fn idle_timeout_never_fires_during_a_command() {
     // Then, idle, it is suspended.
     s.wait_state(&sb, "suspended", Duration::from_secs(30))
         .await;
-    let (_, ops) = s.get(&format!("/v1/operations?sandbox_id={sb}")).await;
-    let suspend = ops["operations"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|o| o["kind"] == "suspend")
-        .cloned()
-        .unwrap();
+    let suspend = operation_of(&s, &sb, "suspend").await;
     assert_eq!(suspend["status"], "succeeded");
     s.destroy(&sb).await;
 
@@ -600,4 +594,36 @@ async fn a_restore_whose_agent_never_dials_in_is_restored_again() {
     assert_eq!(out["stdout"], "kept\nloop-alive\n", "{out}");
     s.destroy(&sb).await;
     s.assert_nothing_left(&sb);
+}
+
+/// Milliseconds since the epoch of an RFC 3339 UTC time as the API writes it
+/// (`2026-12-02T08:26:54.575Z`).
+fn epoch_ms(t: &str) -> i64 {
+    let num = |r: std::ops::Range<usize>| -> i64 { t[r].parse().unwrap_or_else(|_| panic!("{t}")) };
+    let (y, m, d) = (num(0..4), num(5..7), num(8..10));
+    let (hh, mm, ss) = (num(11..13), num(14..16), num(17..19));
+    let ms = t
+        .get(20..23)
+        .filter(|_| t.as_bytes()[19] == b'.')
+        .map_or(0, |f| f.parse::<i64>().unwrap());
+    // Days from the civil date (proleptic Gregorian), Howard Hinnant's algorithm.
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let doy = (153 * (if m > 2 { m - 3 } else { m + 9 }) + 2) / 5 + d - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe - 719_468;
+    ((days * 86_400 + hh * 3600 + mm * 60 + ss) * 1000) + ms
+}
+
+/// The first operation of `kind` on sandbox `sb`.
+async fn operation_of(s: &TestServer, sb: &str, kind: &str) -> Value {
+    let (_, ops) = s.get(&format!("/v1/operations?sandbox_id={sb}")).await;
+    ops["operations"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|o| o["kind"] == kind)
+        .cloned()
+        .unwrap_or_else(|| panic!("no {kind} operation of {sb}: {ops}"))
 }

@@ -562,6 +562,97 @@ async fn invalid_network_specs_are_refused_and_nothing_is_created(rt: &str) {
     assert!(!ns.contains("space-sb_"), "{ns}");
 }
 
+/// A warm pool of egress sandboxes boots them reaching nothing; a create that claims one
+/// gets its own allowlist (and hosts lines) at the claim, and the next claim its own.
+async fn a_claimed_pool_sandbox_gets_the_creates_allowlist(rt: &str) {
+    let inet = Inet::start();
+    let hosts = inet.hosts_file.path().to_string_lossy().into_owned();
+    let s = TestServer::start_with_env(
+        &["--pool-max-sandboxes", "1"],
+        &[(net::HOSTS_FILE_ENV, &hosts)],
+    )
+    .await;
+    if !s.runtime_available(rt).await {
+        return;
+    }
+    let (st, pool) = s
+        .call(
+            reqwest::Method::PUT,
+            "/v1/pools",
+            Some(json!({"template": "busybox", "runtime": rt, "size": 1, "network": "egress"})),
+        )
+        .await;
+    assert_eq!(st, 200, "{pool}");
+    let pool_id = pool["id"].as_str().unwrap().to_string();
+    let wait_ready = || async {
+        let since = std::time::Instant::now();
+        loop {
+            let (_, v) = s.get("/v1/pools").await;
+            if v["pools"][0]["ready"] == 1 {
+                return;
+            }
+            assert!(
+                since.elapsed() < Duration::from_secs(300),
+                "{v}\n{}",
+                s.log()
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    };
+    let mut guard = NetGuard(Vec::new());
+    let probes = [
+        ("byname", format!("http://{ALLOWED_NAME}/")),
+        ("allowed", format!("http://{ALLOWED_IP}/")),
+        ("other", format!("http://{OTHER_IP}/")),
+        ("metadata", format!("http://{METADATA_IP}/")),
+    ];
+    for (allow, answers) in [
+        (
+            json!([ALLOWED_NAME]),
+            vec![
+                ("byname", "hello from 203.0.113.10:80"),
+                ("allowed", "hello from 203.0.113.10:80"),
+            ],
+        ),
+        (
+            json!([OTHER_IP]),
+            vec![("other", "hello from 203.0.113.20:80")],
+        ),
+    ] {
+        wait_ready().await;
+        let body = json!({"template": "busybox", "runtime": rt,
+                          "network": {"mode": "egress", "allow": allow}});
+        let (st, op) = s.post("/v1/sandboxes", body).await;
+        assert_eq!(st, 202, "{op}");
+        assert_eq!(op["status"], "succeeded", "not claimed from the pool: {op}");
+        let sb = op["sandbox_id"].as_str().unwrap().to_string();
+        guard.0.push(sb.clone());
+        let got = probe(&s, &sb, &probes).await;
+        assert_allowed_only(&got, &answers);
+        let (_, v) = s.get(&format!("/v1/sandboxes/{sb}")).await;
+        assert_eq!(v["network"]["allow"], allow, "{v}");
+        s.destroy(&sb).await;
+        assert_no_network_left(&sb);
+    }
+    let (st, _) = s.delete(&format!("/v1/pools/{pool_id}")).await;
+    assert_eq!(st, 204);
+    // The last refill goes too, with its network.
+    let refills: Vec<String> = std::fs::read_dir(s.data_dir().join("sandboxes"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|id| !guard.0.contains(id))
+        .collect();
+    assert_eq!(refills.len(), 1, "{refills:?}");
+    guard.0.push(refills[0].clone());
+    let since = std::time::Instant::now();
+    while s.data_dir().join("sandboxes").join(&refills[0]).exists() {
+        assert!(since.elapsed() < Duration::from_secs(120), "{refills:?}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_no_network_left(&refills[0]);
+}
+
 macro_rules! on_both_runtimes {
     ($($case:ident),+ $(,)?) => {
         mod gvisor {
@@ -577,5 +668,6 @@ macro_rules! on_both_runtimes {
 
 on_both_runtimes!(
     egress_allowlist_is_enforced_outside_the_sandbox,
+    a_claimed_pool_sandbox_gets_the_creates_allowlist,
     invalid_network_specs_are_refused_and_nothing_is_created,
 );

@@ -37,6 +37,9 @@ struct FileQuery {
     recursive: Option<bool>,
     #[serde(default)]
     gzip: Option<bool>,
+    /// Uploads: make missing parent directories (default true).
+    #[serde(default)]
+    parents: Option<bool>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -139,10 +142,15 @@ pub async fn download(
     let run = async {
         let q: FileQuery = parse_query(q.as_deref())?;
         let tar = check_format(&q.format)?;
-        if q.mode.is_some() || q.uid.is_some() || q.gid.is_some() || q.recursive.is_some() {
+        if q.mode.is_some()
+            || q.uid.is_some()
+            || q.gid.is_some()
+            || q.recursive.is_some()
+            || q.parents.is_some()
+        {
             return Err(bad(
                 ErrorCode::InvalidQuery,
-                "mode, uid, gid and recursive apply to uploads and removals only",
+                "mode, uid, gid, parents and recursive apply to uploads and removals only",
             ));
         }
         if q.gzip.is_some() {
@@ -193,7 +201,14 @@ pub async fn download(
     }
     // A download that fails mid-way ends the client's response with an error, never
     // as if it were complete.
-    out.body(Body::new(d.body))
+    let svc = st.service.clone();
+    let body = http_body_util::BodyExt::map_frame(d.body, move |frame| {
+        if let Some(data) = frame.data_ref() {
+            svc.observe_streamed(true, data.len());
+        }
+        frame
+    });
+    out.body(Body::new(body))
         .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
 }
 
@@ -213,6 +228,12 @@ pub async fn upload(
             return Err(bad(
                 ErrorCode::InvalidQuery,
                 "recursive is not an upload parameter",
+            ));
+        }
+        if tar && q.parents.is_some() {
+            return Err(bad(
+                ErrorCode::InvalidQuery,
+                "parents applies to single-file uploads; a tar's directory is always made",
             ));
         }
         let kind = if tar {
@@ -239,9 +260,9 @@ pub async fn upload(
                 gid: q.gid,
             }
         };
-        Ok((q.path, kind))
+        Ok((q.path, kind, q.parents.unwrap_or(true)))
     })();
-    let (path, kind) = match parsed {
+    let (path, kind, parents) = match parsed {
         Ok(v) => v,
         Err(r) => return r.into_response(),
     };
@@ -250,7 +271,7 @@ pub async fn upload(
     let result = st
         .service
         .for_tenant(&tenant)
-        .upload_file(&id, &path, kind, declared, body)
+        .upload_file(&id, &path, kind, parents, declared, body)
         .await;
     // The answer goes out once the client's body has been read to its end (bounded).
     let _ = pump.await;
@@ -277,6 +298,7 @@ pub async fn remove(
         || q.uid.is_some()
         || q.gid.is_some()
         || q.gzip.is_some()
+        || q.parents.is_some()
     {
         return bad(
             ErrorCode::InvalidQuery,

@@ -4,10 +4,12 @@
 
 mod auth;
 mod commands;
+pub(crate) use commands::parse_signal;
 mod events;
 mod files;
 mod openapi;
 mod operations;
+mod pools;
 mod sandboxes;
 mod templates;
 
@@ -36,7 +38,9 @@ pub struct AppState {
     pub service: Service,
 }
 
-pub fn router(state: AppState) -> Router {
+/// The whole HTTP surface: `/v1`, and `extra` (the E2B-compatible routes) beside it
+/// under the same logging and error shaping.
+pub fn router(state: AppState, extra: Router<AppState>) -> Router {
     let v1 = Router::new()
         .route("/sandboxes", post(sandboxes::create).get(sandboxes::list))
         .route(
@@ -80,6 +84,8 @@ pub fn router(state: AppState) -> Router {
         .route("/templates/:name", axum::routing::delete(templates::delete))
         .route("/operations/:id/log", get(operations::log))
         .route("/events", get(events::stream))
+        .route("/pools", get(pools::list).put(pools::put))
+        .route("/pools/:id", axum::routing::delete(pools::delete))
         .route("/openapi.json", get(openapi::document))
         .route(
             "/runtimes",
@@ -91,7 +97,11 @@ pub fn router(state: AppState) -> Router {
             state.clone(),
             auth::ownership,
         ))
+        .route_layer(middleware::from_fn_with_state(state.clone(), observe))
         .fallback(not_found)
+        .layer(middleware::from_fn_with_state(state.clone(), auth::auth));
+    let metrics = Router::new()
+        .route("/metrics", get(metrics))
         .layer(middleware::from_fn_with_state(state.clone(), auth::auth));
     Router::new()
         .route(
@@ -99,6 +109,8 @@ pub fn router(state: AppState) -> Router {
             get(|| async { Json(serde_json::json!({"status": "ok"})) }),
         )
         .nest("/v1", v1)
+        .merge(metrics)
+        .merge(extra.route_layer(middleware::from_fn_with_state(state.clone(), observe)))
         .fallback(not_found)
         .with_state(state)
         .layer(middleware::from_fn(json_rejections))
@@ -147,6 +159,50 @@ async fn json_rejections(req: Request, next: Next) -> Response {
 }
 
 /// One structured log line per request.
+/// Times a request by its matched route (ids never make new series): `/v1`'s, and the
+/// E2B and MCP routes beside it.
+async fn observe(State(st): State<AppState>, req: Request, next: Next) -> Response {
+    let method = req.method().clone();
+    let route = req
+        .extensions()
+        .get::<axum::extract::MatchedPath>()
+        .map(|m| m.as_str().to_string())
+        .unwrap_or_else(|| "unmatched".into());
+    // Inside a nested router the matched path may or may not carry the prefix.
+    let route = if req.uri().path().starts_with("/v1/") && !route.starts_with("/v1/") {
+        format!("/v1{route}")
+    } else {
+        route
+    };
+    let start = std::time::Instant::now();
+    let resp = next.run(req).await;
+    st.service.observe_request(
+        method.as_str(),
+        &route,
+        resp.status().as_u16(),
+        start.elapsed(),
+    );
+    resp
+}
+
+/// `GET /metrics`: Prometheus text, the server's token only.
+async fn metrics(
+    State(st): State<AppState>,
+    axum::Extension(who): axum::Extension<space_service::Principal>,
+) -> Response {
+    match st.service.metrics_text_as(&who) {
+        Ok(text) => (
+            [(
+                header::CONTENT_TYPE,
+                "text/plain; version=0.0.4; charset=utf-8",
+            )],
+            text,
+        )
+            .into_response(),
+        Err(e) => HttpError(e).into_response(),
+    }
+}
+
 async fn log_request(req: Request, next: Next) -> Response {
     let method = req.method().clone();
     let path = req.uri().path().to_string();

@@ -98,7 +98,7 @@ const ROUTES: &[Route] = &[
     Route { method: "post", path: "/v1/sandboxes/:id/commands/:cid/stdin", operation_id: "commandStdin", tag: "commands", summary: "Write the raw body to a command's stdin (`eof=true` closes it after)", query: &["eof"], body: Body::Octets, ok: Ok::Empty(204), errors: ID_BODY, auth: true },
     Route { method: "get", path: "/v1/sandboxes/:id/commands/:cid/attach", operation_id: "attachCommand", tag: "commands", summary: "WebSocket: binary frames are stdin / stream-tagged output, text frames JSON controls", query: &["offset"], body: Body::None, ok: Ok::Upgrade, errors: &[400, 404, 426], auth: true },
     Route { method: "get", path: "/v1/sandboxes/:id/files", operation_id: "downloadFile", tag: "files", summary: "Download a file (raw) or a directory (`format=tar`)", query: &["path", "format"], body: Body::None, ok: Ok::Media(200, "application/octet-stream"), errors: FILES, auth: true },
-    Route { method: "put", path: "/v1/sandboxes/:id/files", operation_id: "uploadFile", tag: "files", summary: "Upload a file (raw body) or unpack a tar (`format=tar`, `gzip=true`)", query: &["path", "format", "gzip", "mode", "uid", "gid"], body: Body::Octets, ok: Ok::Json(201, file_result), errors: &[400, 404, 409, 413, 429, 502, 503, 507], auth: true },
+    Route { method: "put", path: "/v1/sandboxes/:id/files", operation_id: "uploadFile", tag: "files", summary: "Upload a file (raw body) or unpack a tar (`format=tar`, `gzip=true`)", query: &["path", "format", "gzip", "mode", "uid", "gid", "parents"], body: Body::Octets, ok: Ok::Json(201, file_result), errors: &[400, 404, 409, 413, 429, 502, 503, 507], auth: true },
     Route { method: "delete", path: "/v1/sandboxes/:id/files", operation_id: "removeFile", tag: "files", summary: "Remove a file or (with `recursive=true`) a directory tree", query: &["path", "recursive"], body: Body::None, ok: Ok::Json(200, file_result), errors: FILES, auth: true },
     Route { method: "get", path: "/v1/sandboxes/:id/files/list", operation_id: "listFiles", tag: "files", summary: "List a directory", query: &["path", "depth"], body: Body::None, ok: Ok::Json(200, file_result), errors: FILES, auth: true },
     Route { method: "get", path: "/v1/sandboxes/:id/files/stat", operation_id: "statFile", tag: "files", summary: "Stat a path", query: &["path"], body: Body::None, ok: Ok::Json(200, file_result), errors: FILES, auth: true },
@@ -112,6 +112,10 @@ const ROUTES: &[Route] = &[
     Route { method: "delete", path: "/v1/templates/:name", operation_id: "deleteTemplate", tag: "templates", summary: "Delete a built template (409 if built in or in use)", query: &[], body: Body::None, ok: Ok::Empty(204), errors: &[400, 404, 409], auth: true },
     Route { method: "get", path: "/v1/operations/:id/log", operation_id: "operationLog", tag: "operations", summary: "A build's log as text; `follow=true` streams until it ends", query: &["follow"], body: Body::None, ok: Ok::Media(200, "text/plain"), errors: &[400, 404, 429], auth: true },
     Route { method: "get", path: "/v1/events", operation_id: "events", tag: "server", summary: "Server-sent events of sandbox and operation changes (`Last-Event-ID` or `after` resumes)", query: &["after"], body: Body::None, ok: Ok::Media(200, "text/event-stream"), errors: &[400, 429], auth: true },
+    Route { method: "get", path: "/v1/pools", operation_id: "listPools", tag: "pools", summary: "Warm pools, with their ready and booting sandboxes (the server's token only)", query: &[], body: Body::None, ok: Ok::Json(200, s::<space_api::PoolList>), errors: &[403], auth: true },
+    Route { method: "put", path: "/v1/pools", operation_id: "setPool", tag: "pools", summary: "Create a warm pool or set its size (the server's token only)", query: &[], body: Body::Json(s::<space_api::PoolSpec>), ok: Ok::Json(200, s::<space_api::Pool>), errors: &[400, 403, 404, 413], auth: true },
+    Route { method: "delete", path: "/v1/pools/:id", operation_id: "deletePool", tag: "pools", summary: "Remove a warm pool; its sandboxes are destroyed (the server's token only)", query: &[], body: Body::None, ok: Ok::Empty(204), errors: &[403, 404], auth: true },
+    Route { method: "get", path: "/metrics", operation_id: "metrics", tag: "server", summary: "Prometheus metrics in the text format (the server's token only)", query: &[], body: Body::None, ok: Ok::Media(200, "text/plain"), errors: &[403], auth: true },
     Route { method: "get", path: "/v1/runtimes", operation_id: "listRuntimes", tag: "server", summary: "The runtimes this server has and whether each works here", query: &[], body: Body::None, ok: Ok::Json(200, runtimes), errors: &[], auth: true },
     Route { method: "get", path: "/v1/openapi.json", operation_id: "openapi", tag: "server", summary: "This document", query: &[], body: Body::None, ok: Ok::Json(200, any_object), errors: &[], auth: true },
 ];
@@ -123,6 +127,10 @@ const ID_PATTERN_LEN: usize = 20;
 fn path_param(name: &str, path: &str) -> Value {
     let (schema, description) = match name {
         "id" if path.starts_with("/v1/operations") => (id_schema("op"), "Operation id"),
+        "id" if path.starts_with("/v1/pools") => (
+            json!({"type": "string", "pattern": "^pool_[0-9a-f]{16}$"}),
+            "Pool id",
+        ),
         "id" => (id_schema("sb"), "Sandbox id"),
         "cid" => (id_schema("cmd"), "Command id"),
         "name" => (
@@ -199,6 +207,11 @@ fn query_param(name: &str) -> Value {
             json!({"type": "boolean"}),
             false,
             "Remove a directory and everything under it",
+        ),
+        "parents" => (
+            json!({"type": "boolean"}),
+            false,
+            "Make a file's missing parent directories (default true; `false` answers 404 instead)",
         ),
         "depth" => (
             json!({"type": "integer", "minimum": 1, "maximum": 64}),
@@ -514,6 +527,7 @@ pub fn build() -> Value {
         "files",
         "operations",
         "templates",
+        "pools",
         "server",
     ]
     .iter()

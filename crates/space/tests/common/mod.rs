@@ -287,6 +287,31 @@ impl TestServer {
         self.child.as_ref().map(|c| c.id())
     }
 
+    /// `space keys create --tenant T` on the server's data dir: the key it prints.
+    pub fn new_key(&self, tenant: &str) -> String {
+        let out = Command::new(env!("CARGO_BIN_EXE_space"))
+            .args([
+                "keys",
+                "create",
+                "--tenant",
+                tenant,
+                "--name",
+                "test",
+                "--data-dir",
+            ])
+            .arg(self.data_dir())
+            .output()
+            .expect("space keys create");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let key = String::from_utf8(out.stdout).unwrap().trim().to_string();
+        assert!(key.starts_with("spk_"), "{key}");
+        key
+    }
+
     pub fn data_dir(&self) -> &Path {
         self.data.path()
     }
