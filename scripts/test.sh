@@ -37,9 +37,11 @@ cargo test --workspace --features space/test-hooks --no-fail-fast -- --test-thre
 
 stage "microVM pass"
 # Whole suites again with every sandbox on the microVM runtime (see docs/RUNTIMES.md for
-# the suites not repeated here, and why).
-SPACE_TEST_RUNTIME=microvm cargo test -p space --features test-hooks --test files --test disk --test restart --test cli --test e2b \
-  --no-fail-fast -- --test-threads 3
+# the suites not repeated here, and why). The same packages and features as the workspace
+# run, so its test binaries are reused rather than built again (space-agent's own files
+# tests come along; they run no sandbox).
+SPACE_TEST_RUNTIME=microvm cargo test --workspace --features space/test-hooks \
+  --test files --test disk --test restart --test cli --test e2b --no-fail-fast -- --test-threads 3
 
 stage "python SDK"
 # sdk/python against a real server its fixtures start: builds the wheel, checks the models

@@ -494,8 +494,14 @@ async fn envd_tokens_open_one_sandbox_only() {
     let s = server().await;
     let (ka, kb) = (s.new_key("e2b-a"), s.new_key("e2b-b"));
     let (a, b) = (E2b::new(&s, &ka), E2b::new(&s, &kb));
-    let (sa, ta) = a.create(json!({"templateID": "base"})).await;
-    let (sb, tb) = b.create(json!({"templateID": "base"})).await;
+    // A timeout as the SDKs send one: without it E2B's default of 15 s applies, and on
+    // a loaded TCG host the second create alone can outlast the first sandbox's.
+    let (sa, ta) = a
+        .create(json!({"templateID": "base", "timeout": 300}))
+        .await;
+    let (sb, tb) = b
+        .create(json!({"templateID": "base", "timeout": 300}))
+        .await;
 
     let list = json!({});
     let (st, v) = a

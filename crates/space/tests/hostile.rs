@@ -3249,7 +3249,9 @@ async fn host_disk_floods(rt: &'static str) {
     let body = json!({"resources": {"disk_mib": disk_mib}});
     let v = h.victim(body).await;
     let (before, _) = host_bytes(&h, &v);
-    // 300 MiB at most into each, 30 s each at most (a TCG serial port is slow).
+    // 300 MiB at most into each, 20 s of large writes and 10 s of lines at most (a TCG
+    // serial port is slow: about 1 MiB in 30 s, which is all the host keeps of a console,
+    // `space_runtime::lend::LOG_BYTES`; under KVM the same seconds write far more).
     let floods = [
         "/proc/1/fd/1",
         "/proc/1/fd/2",
@@ -3264,8 +3266,8 @@ async fn host_disk_floods(rt: &'static str) {
     for target in floods {
         let script = format!(
             "case {target} in /dev/*) [ -e {target} ] || {{ echo no {target}; exit 0; }};; esac; \
-             timeout 30 dd if=/dev/zero of={target} bs=64k count=4800 2>&1 | tail -n1; \
-             timeout 30 sh -c 'yes AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA >{target}' 2>&1 | tail -n1; true"
+             timeout 20 dd if=/dev/zero of={target} bs=64k count=4800 2>&1 | tail -n1; \
+             timeout 10 sh -c 'yes AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA >{target}' 2>&1 | tail -n1; true"
         );
         let body = json!({"shell": script, "timeout_seconds": 120, "wait": true});
         // A starved agent may miss its keepalive during the previous flood and dial in
@@ -3623,7 +3625,7 @@ async fn runaway_commands(rt: &'static str) {
     let filler = start_cmd(
         &h,
         &v,
-        json!({"shell": "while :; do sleep 1000 & done", "timeout_seconds": 60}),
+        json!({"shell": "while :; do sleep 1000 & done", "timeout_seconds": 30}),
     )
     .await;
     let (st, out) = answered(
