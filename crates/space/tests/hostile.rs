@@ -180,10 +180,13 @@ impl Hostile {
     async fn healthy(&self, case: &str, victim: Option<&str>) -> bool {
         let (st, v) = self.s.get("/healthz").await;
         assert_eq!(st, 200, "{case}: /healthz: {v}");
-        assert!(
-            self.echo(case, &self.neighbour).await,
-            "{case}: the neighbour failed"
-        );
+        if !self.echo(case, &self.neighbour).await {
+            let (_, v) = self
+                .s
+                .get(&format!("/v1/sandboxes/{}", self.neighbour))
+                .await;
+            panic!("{case}: the neighbour failed: {v}");
+        }
         let mut alive = true;
         if let Some(sb) = victim {
             if !self.echo(case, sb).await {
