@@ -13,8 +13,8 @@ features=()
 if [ -n "${FEATURES:-}" ]; then
   features=(--features "$FEATURES")
 fi
-# Stripped: a sandbox's boot reads the agent's file and copies it into memory (see
-# space-agent's reexec_from_memory); its symbols were a fifth of it.
+# Stripped: every gVisor sandbox gets its own copy of the agent and reads it at boot; its
+# symbols were a fifth of it.
 RUSTFLAGS="-C target-feature=+crt-static -C strip=symbols" cargo build --release -p space-agent \
   --target x86_64-unknown-linux-gnu "${features[@]}"
 

@@ -120,11 +120,6 @@ impl Config {
 }
 
 fn main() -> ExitCode {
-    if std::process::id() == 1 && std::env::var_os(IN_MEMORY_ENV).is_none() && !microvm_guest() {
-        // Only returns when it could not re-execute; the file lent by the host still works.
-        let Err(e) = reexec_from_memory();
-        note!("space-agent: running from the lent file (no copy in memory): {e}");
-    }
     // Before the token is read: a non-dumpable process's memory (and, under Linux, its
     // environment, descriptors and other /proc files; gVisor checks only memory and ptrace)
     // is closed to every process without CAP_SYS_PTRACE, root included, and commands never
@@ -253,67 +248,6 @@ async fn run(cfg: Config) -> ExitCode {
 
     dial_loop(&cfg, agent).await;
     ExitCode::SUCCESS
-}
-
-/// Set in the agent's own environment once it runs from its copy in memory.
-const IN_MEMORY_ENV: &str = "SPACE_AGENT_IN_MEMORY";
-
-/// gVisor: runs the agent again from a sealed copy in the sandbox's own memory (a memfd), so
-/// that no file of the host backs its code or data. A checkpoint then holds all of the agent,
-/// and a restore does not map it again from the file the host lends (runsc was seen to
-/// restore the agent with memory it cannot have had: a heap pointer holding code bytes), and
-/// nothing done to that file inside the sandbox reaches the running agent.
-fn reexec_from_memory() -> std::io::Result<std::convert::Infallible> {
-    use std::ffi::CString;
-    use std::os::fd::{AsRawFd, FromRawFd};
-    use std::os::unix::ffi::OsStrExt;
-
-    let mut image = std::fs::File::open("/proc/self/exe")?;
-    // SAFETY: a plain syscall with a NUL-terminated name.
-    let fd = unsafe {
-        libc::memfd_create(
-            c"space-agent".as_ptr(),
-            libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
-        )
-    };
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: `fd` was just created and is owned here.
-    let mut file = unsafe { std::fs::File::from_raw_fd(fd) };
-    // File to file: the kernel copies (copy_file_range or sendfile), no pass through our memory.
-    std::io::copy(&mut image, &mut file)?;
-    // Sealed when the kernel can: nothing changes the copy afterwards.
-    let seals = libc::F_SEAL_SEAL | libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_WRITE;
-    // SAFETY: plain fcntl on a descriptor owned here.
-    unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, seals) };
-    let cstr = |b: &[u8]| CString::new(b).map_err(std::io::Error::other);
-    let args = std::env::args_os()
-        .map(|a| cstr(a.as_bytes()))
-        .collect::<std::io::Result<Vec<_>>>()?;
-    let mut env = std::env::vars_os()
-        .map(|(k, v)| {
-            let mut kv = k.as_bytes().to_vec();
-            kv.push(b'=');
-            kv.extend_from_slice(v.as_bytes());
-            cstr(&kv)
-        })
-        .collect::<std::io::Result<Vec<_>>>()?;
-    env.push(cstr(format!("{IN_MEMORY_ENV}=1").as_bytes())?);
-    let argv: Vec<*const libc::c_char> = args
-        .iter()
-        .map(|a| a.as_ptr())
-        .chain(std::iter::once(std::ptr::null()))
-        .collect();
-    let envp: Vec<*const libc::c_char> = env
-        .iter()
-        .map(|e| e.as_ptr())
-        .chain(std::iter::once(std::ptr::null()))
-        .collect();
-    // SAFETY: argv and envp are NUL-terminated arrays of NUL-terminated strings that
-    // outlive the call; on success this process image is replaced.
-    unsafe { libc::fexecve(file.as_raw_fd(), argv.as_ptr(), envp.as_ptr()) };
-    Err(std::io::Error::last_os_error())
 }
 
 /// Whether this is a microVM guest's agent (its kernel enforces commands' memory there).

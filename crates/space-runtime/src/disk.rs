@@ -28,10 +28,15 @@ fn overhead_mib(mib: u64) -> u64 {
 /// Makes sure `mount_point` is the sandbox's quota'd filesystem: creates the image
 /// (sparse, `mib` MiB plus overhead) when there is none, then mounts it when it is
 /// not mounted. `mib == 0` means no quota: the directory is a plain directory.
+///
+/// A new image is a copy of an empty filesystem of the same size that `formats` keeps
+/// (made by `mkfs.ext4` the first time a size is asked for): copying its few MiB of
+/// metadata is faster than formatting, and a create waits for it.
 pub async fn ensure_mounted(
     image: &Path,
     mount_point: &Path,
     mib: u64,
+    formats: &Path,
 ) -> Result<(), RuntimeError> {
     tokio::fs::create_dir_all(mount_point)
         .await
@@ -40,24 +45,14 @@ pub async fn ensure_mounted(
         return Ok(());
     }
     if !image.exists() {
-        let tmp = image.with_extension("img.tmp");
         let bytes = (mib + overhead_mib(mib)) << 20;
-        let file = std::fs::File::create(&tmp)
-            .map_err(|e| RuntimeError::io(format!("creating {}", tmp.display()), e))?;
-        file.set_len(bytes)
-            .map_err(|e| RuntimeError::io(format!("sizing {}", tmp.display()), e))?;
-        drop(file);
-        // No journal (the layer never outlives a crash of its sandbox), no reserved blocks.
-        tool(
-            "mkfs.ext4",
-            Command::new("mkfs.ext4")
-                .args(["-q", "-F", "-O", "^has_journal", "-m", "0"])
-                .args(["-E", "nodiscard,lazy_itable_init=1"])
-                .arg(&tmp),
-        )
-        .await?;
-        std::fs::rename(&tmp, image)
-            .map_err(|e| RuntimeError::io(format!("renaming {}", tmp.display()), e))?;
+        let empty = empty_format(formats, bytes).await?;
+        let (src, dst) = (empty, image.to_path_buf());
+        tokio::task::spawn_blocking(move || copy_sparse(&src, &dst))
+            .await
+            .map_err(std::io::Error::other)
+            .and_then(|r| r)
+            .map_err(|e| RuntimeError::io(format!("creating {}", image.display()), e))?;
     }
     if !is_mounted(mount_point) {
         tool(
@@ -70,6 +65,117 @@ pub async fn ensure_mounted(
         .await?;
     }
     Ok(())
+}
+
+/// The empty filesystem of `bytes` in `formats`, formatted now if it is not there yet.
+/// Only the server writes there; a sandbox only ever gets a copy.
+async fn empty_format(formats: &Path, bytes: u64) -> Result<PathBuf, RuntimeError> {
+    let path = formats.join(format!("ext4-{bytes}.img"));
+    if path.exists() {
+        return Ok(path);
+    }
+    std::fs::create_dir_all(formats)
+        .map_err(|e| RuntimeError::io(format!("creating {}", formats.display()), e))?;
+    // Concurrent first creates of one size each format their own and rename: the last wins,
+    // and every one of them is whole.
+    let tmp = formats.join(format!(".ext4-{bytes}.{}.tmp", unique()));
+    let file = std::fs::File::create(&tmp)
+        .map_err(|e| RuntimeError::io(format!("creating {}", tmp.display()), e))?;
+    file.set_len(bytes)
+        .map_err(|e| RuntimeError::io(format!("sizing {}", tmp.display()), e))?;
+    drop(file);
+    // No journal (the layer never outlives a crash of its sandbox), no reserved blocks.
+    let made = tool(
+        "mkfs.ext4",
+        Command::new("mkfs.ext4")
+            .args(["-q", "-F", "-O", "^has_journal", "-m", "0"])
+            .args(["-E", "nodiscard,lazy_itable_init=1"])
+            .arg(&tmp),
+    )
+    .await;
+    if let Err(e) = made {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
+    }
+    std::fs::rename(&tmp, &path)
+        .map_err(|e| RuntimeError::io(format!("renaming {}", tmp.display()), e))?;
+    Ok(path)
+}
+
+/// A name no other caller in this process (or another one) picks at the same time.
+fn unique() -> String {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    format!(
+        "{}.{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// Copies `src` to a new file `dst` (written beside it, then renamed), holes kept as holes:
+/// only the extents that hold data are read and written, by the kernel.
+fn copy_sparse(src: &Path, dst: &Path) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+
+    let from = std::fs::File::open(src)?;
+    let len = from.metadata()?.len();
+    let tmp = dst.with_extension("img.tmp");
+    let to = std::fs::File::create(&tmp)?;
+    to.set_len(len)?;
+    let seek = |whence, at: u64| -> std::io::Result<Option<u64>> {
+        let at = i64::try_from(at).map_err(std::io::Error::other)?;
+        // SAFETY: plain lseek on a descriptor owned here.
+        let got = unsafe { libc::lseek(from.as_raw_fd(), at, whence) };
+        if got >= 0 {
+            return Ok(Some(got as u64));
+        }
+        let e = std::io::Error::last_os_error();
+        // ENXIO: no data at or after `at`.
+        if e.raw_os_error() == Some(libc::ENXIO) {
+            return Ok(None);
+        }
+        Err(e)
+    };
+    let mut at = 0;
+    while at < len {
+        let Some(data) = seek(libc::SEEK_DATA, at)? else {
+            break;
+        };
+        let end = seek(libc::SEEK_HOLE, data)?.unwrap_or(len).min(len);
+        let (mut off_in, mut off_out) = (data as i64, data as i64);
+        let mut left = (end - data) as usize;
+        while left > 0 {
+            // SAFETY: both descriptors are owned here; the offsets are ours.
+            let n = unsafe {
+                libc::copy_file_range(
+                    from.as_raw_fd(),
+                    &mut off_in,
+                    to.as_raw_fd(),
+                    &mut off_out,
+                    left,
+                    0,
+                )
+            };
+            if n < 0 {
+                let e = std::io::Error::last_os_error();
+                if e.kind() == std::io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(e);
+            }
+            if n == 0 {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    format!("{} ended early", src.display()),
+                ));
+            }
+            left -= n as usize;
+        }
+        at = end;
+    }
+    drop(to);
+    std::fs::rename(&tmp, dst)
 }
 
 /// Unmounts `mount_point` if it is mounted (lazily when it is busy).
@@ -223,5 +329,29 @@ mod tests {
     fn overhead_grows_with_the_quota() {
         assert_eq!(overhead_mib(64), 16);
         assert_eq!(overhead_mib(4096), 128);
+    }
+
+    #[test]
+    fn a_sparse_copy_keeps_the_bytes_and_the_holes() {
+        use std::io::{Seek, SeekFrom, Write};
+        use std::os::unix::fs::MetadataExt;
+
+        let dir = tempfile::tempdir().unwrap();
+        let (src, dst) = (dir.path().join("src.img"), dir.path().join("dst.img"));
+        let mut f = std::fs::File::create(&src).unwrap();
+        f.set_len(256 << 20).unwrap();
+        // Data at the start, in the middle, and up to the very end.
+        for (at, byte) in [(0u64, 1u8), (100 << 20, 2), ((256 << 20) - 4096, 3)] {
+            f.seek(SeekFrom::Start(at)).unwrap();
+            f.write_all(&vec![byte; 4096]).unwrap();
+        }
+        drop(f);
+        copy_sparse(&src, &dst).unwrap();
+        assert_eq!(std::fs::read(&src).unwrap(), std::fs::read(&dst).unwrap());
+        let meta = std::fs::metadata(&dst).unwrap();
+        assert_eq!(meta.len(), 256 << 20);
+        // 12 KiB of data: far from the 256 MiB a dense copy would take.
+        assert!(meta.blocks() * 512 < 1 << 20, "{} blocks", meta.blocks());
+        assert!(!dir.path().join("dst.img.tmp").exists());
     }
 }

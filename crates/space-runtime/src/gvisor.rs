@@ -84,6 +84,12 @@ impl GvisorRuntime {
         }
     }
 
+    /// The empty filesystems new sandboxes' disks are copied from (`disk::ensure_mounted`):
+    /// beside `runsc --root`, in the server's data directory.
+    fn disk_formats(&self) -> PathBuf {
+        self.state_root.with_file_name("disk-formats")
+    }
+
     /// `runsc --root`, for tests and tools that want to look.
     pub fn state_root(&self) -> &Path {
         &self.state_root
@@ -319,6 +325,7 @@ impl Runtime for GvisorRuntime {
             &spec.state_dir.join(disk::IMAGE_FILE),
             &overlay,
             spec.disk_mib,
+            &self.disk_formats(),
         )
         .await?;
         let (dir, agents, run, rootfs) = (
@@ -513,7 +520,8 @@ impl Runtime for GvisorRuntime {
         let bundle = state_dir.join("bundle");
         let image = state_dir.join(disk::IMAGE_FILE);
         if image.exists() {
-            disk::ensure_mounted(&image, &state_dir.join("overlay"), 1).await?;
+            disk::ensure_mounted(&image, &state_dir.join("overlay"), 1, &self.disk_formats())
+                .await?;
         }
         let dir = state_dir.to_path_buf();
         blocking(move || Ok(lend::relend(&dir)?)).await?;
