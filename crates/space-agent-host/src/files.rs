@@ -260,6 +260,8 @@ fn header_number(headers: &HeaderMap, name: &str, radix: u32) -> Option<u64> {
 pub struct DownloadBody {
     inner: UnsyncBoxBody<Bytes, BodyError>,
     done: bool,
+    /// Told the length of each piece of data as it passes (see [`DownloadBody::observed`]).
+    observer: Option<Box<dyn Fn(usize) + Send>>,
 }
 
 impl std::fmt::Debug for DownloadBody {
@@ -272,7 +274,18 @@ impl std::fmt::Debug for DownloadBody {
 
 impl DownloadBody {
     pub(crate) fn new(inner: UnsyncBoxBody<Bytes, BodyError>) -> DownloadBody {
-        DownloadBody { inner, done: false }
+        DownloadBody {
+            inner,
+            done: false,
+            observer: None,
+        }
+    }
+
+    /// The same body, telling `f` the length of each piece of data it yields (a metric
+    /// of bytes sent, whichever front door sends them).
+    pub fn observed(mut self, f: impl Fn(usize) + Send + 'static) -> DownloadBody {
+        self.observer = Some(Box::new(f));
+        self
     }
 }
 
@@ -299,7 +312,12 @@ impl futures::Stream for DownloadBody {
                     return Poll::Ready(Some(Err(AgentError::Broken(e))));
                 }
                 Some(Ok(f)) => match f.into_data() {
-                    Ok(data) => return Poll::Ready(Some(Ok(data))),
+                    Ok(data) => {
+                        if let Some(observe) = &self.observer {
+                            observe(data.len());
+                        }
+                        return Poll::Ready(Some(Ok(data)));
+                    }
                     Err(f) => {
                         let Some(e) = f.trailers_ref().and_then(|t| t.get(ERROR_TRAILER)) else {
                             continue;

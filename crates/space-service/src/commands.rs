@@ -661,6 +661,8 @@ impl Service {
                             if tx.send(chunk).await.is_err() {
                                 return;
                             }
+                            // Counted here, so every front door's output streams are.
+                            svc.observe_streamed(false, part.len());
                         }
                         offset = piece.offset + piece.data.len() as u64;
                     }

@@ -148,8 +148,11 @@ impl Service {
     ) -> Result<Download, ServiceError> {
         check_path("path", path)?;
         let conn = self.file_agent(sandbox_id).await?;
-        let d = conn.download(path, format).await.map_err(agent_failure)?;
+        let mut d = conn.download(path, format).await.map_err(agent_failure)?;
         self.touch(sandbox_id);
+        // Counted here, so every front door's downloads are (`space_streamed_bytes_total`).
+        let svc = self.clone();
+        d.body = d.body.observed(move |n| svc.observe_streamed(true, n));
         Ok(d)
     }
 

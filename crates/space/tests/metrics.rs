@@ -189,6 +189,41 @@ async fn metrics_move_when_things_happen() {
         5.0
     );
 
+    // Streamed bytes are counted in the service, so the other front doors' reads count
+    // too: MCP's read_output and read_file (no stream of their own in its answers).
+    for (tool, args) in [
+        ("read_output", json!({"command_id": cid})),
+        ("read_file", json!({"sandbox_id": sb, "path": "/tmp/f"})),
+    ] {
+        let answer: Value = http
+            .post(format!("{}/mcp", s.url))
+            .bearer_auth(common::TOKEN)
+            .header("Accept", "application/json, text/event-stream")
+            .json(&json!({"jsonrpc": "2.0", "id": 2, "method": "tools/call",
+                          "params": {"name": tool, "arguments": args}}))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert!(
+            answer["result"].is_object() && answer["result"]["isError"] != true,
+            "{tool}: {answer}"
+        );
+    }
+    let after_mcp = scrape(&s).await;
+    for (series, bytes) in [
+        ("space_streamed_bytes_total{what=\"output\"}", 11.0),
+        ("space_streamed_bytes_total{what=\"download\"}", 5.0),
+    ] {
+        assert_eq!(
+            grew(&after, &after_mcp, series),
+            bytes,
+            "{series} through MCP"
+        );
+    }
+
     // A suspend and resume: the restored agent dials the same listener again.
     for action in ["suspend", "resume"] {
         let (st, op) = s

@@ -119,13 +119,8 @@ pub async fn output(
         .command_output(&id, &cid, query)
     {
         Ok(rx) => {
-            let svc = st.service.clone();
-            let stream = ReceiverStream::new(rx).map(move |ev| {
-                if let OutputEvent::Chunk { data, .. } = &ev {
-                    svc.observe_streamed(false, data.len());
-                }
-                Ok::<_, std::convert::Infallible>(ndjson_line(ev))
-            });
+            let stream = ReceiverStream::new(rx)
+                .map(|ev| Ok::<_, std::convert::Infallible>(ndjson_line(ev)));
             Response::builder()
                 .header(header::CONTENT_TYPE, "application/x-ndjson")
                 .header(header::CACHE_CONTROL, "no-store")

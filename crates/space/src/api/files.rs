@@ -201,14 +201,7 @@ pub async fn download(
     }
     // A download that fails mid-way ends the client's response with an error, never
     // as if it were complete.
-    let svc = st.service.clone();
-    let body = http_body_util::BodyExt::map_frame(d.body, move |frame| {
-        if let Some(data) = frame.data_ref() {
-            svc.observe_streamed(true, data.len());
-        }
-        frame
-    });
-    out.body(Body::new(body))
+    out.body(Body::new(d.body))
         .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
 }
 
