@@ -105,6 +105,10 @@ pub struct Config {
     pub pool_max_sandboxes: u64,
     /// Pooled sandboxes that may boot at once (server-wide).
     pub pool_fills: usize,
+    /// Resident sandboxes (all but suspended, destroyed and failed; pooled ones included)
+    /// this server runs at most: past it a create that no pool serves, or the resume of a
+    /// suspended sandbox, is refused with 429. 0: no cap.
+    pub max_sandboxes: u64,
 }
 
 /// What went wrong, in terms an API caller can act on.
@@ -235,6 +239,8 @@ pub(crate) struct Inner {
     pub runtimes: runtimes::Runtimes,
     pub templates: TemplateStore,
     sandboxes: Mutex<HashMap<String, Arc<SandboxHandle>>>,
+    /// Held while a create or a resume is checked against `max_sandboxes` and recorded.
+    capacity: Mutex<()>,
     pub commands: commands::Registry,
     /// Last activity per sandbox (API requests on it, commands ending).
     activity: Mutex<HashMap<String, Activity>>,
@@ -291,6 +297,7 @@ impl Service {
             runtimes,
             templates,
             sandboxes: Mutex::new(HashMap::new()),
+            capacity: Mutex::new(()),
             commands: commands::Registry::default(),
             activity: Mutex::new(HashMap::new()),
             create_slots: Semaphore::new(slots),

@@ -114,8 +114,12 @@ impl Service {
         self.request_lifecycle(id, OperationKind::Pause, None)
     }
 
-    /// `POST /v1/sandboxes/{id}/resume`: from `paused` or `suspended`.
+    /// `POST /v1/sandboxes/{id}/resume`: from `paused` or `suspended`. A suspended one
+    /// holds nothing of the host until it resumes: it must fit the server's capacity.
     pub(super) fn resume(&self, id: &str) -> Result<Operation> {
+        if self.record(id)?.sandbox.state == SandboxState::Suspended {
+            return self.admit_resident(|| self.request_lifecycle(id, OperationKind::Resume, None));
+        }
         self.request_lifecycle(id, OperationKind::Resume, None)
     }
 

@@ -42,6 +42,11 @@ pub const POOL_TENANT: &str = "_pool";
 const FILL_TICK: Duration = Duration::from_secs(1);
 /// How long a pool whose fill failed waits before it boots again.
 const FAIL_BACKOFF: Duration = Duration::from_secs(30);
+/// How long after a claim a pool that still has a ready sandbox waits before it boots the
+/// replacement: a boot takes both cores of a small host for a moment, and the claimed
+/// sandbox's first commands, which its tenant is waiting for, come in that moment. A pool
+/// left with nothing ready boots at once.
+const REFILL_DELAY: Duration = Duration::from_millis(300);
 
 /// What the pools know beyond the store.
 #[derive(Default)]
@@ -60,6 +65,7 @@ pub(crate) struct Pools {
 #[derive(Default)]
 struct PoolStats {
     claims: u64,
+    claimed_at: Option<Instant>,
     last_error: Option<String>,
     failed_at: Option<Instant>,
 }
@@ -284,11 +290,18 @@ impl Service {
                     self.0
                         .metrics
                         .operation_ended("create", "claimed", started.elapsed());
-                    lock(&self.0.pools.stats)
-                        .entry(pool.id.clone())
-                        .or_default()
-                        .claims += 1;
-                    self.0.pools.wake.notify_one();
+                    {
+                        let mut stats = lock(&self.0.pools.stats);
+                        let s = stats.entry(pool.id.clone()).or_default();
+                        s.claims += 1;
+                        s.claimed_at = Some(Instant::now());
+                    }
+                    // The filler looks again once the claim has settled (REFILL_DELAY).
+                    let svc = self.clone();
+                    tokio::spawn(async move {
+                        tokio::time::sleep(REFILL_DELAY).await;
+                        svc.0.pools.wake.notify_one();
+                    });
                     tracing::info!(sandbox = %id, pool = %pool.id, tenant = %rec.sandbox.tenant, operation = %op.id, "claimed from the pool");
                     return Some(op);
                 }
@@ -474,6 +487,17 @@ impl Service {
             if backing_off {
                 continue;
             }
+            let settling = lock(&self.0.pools.stats)
+                .get(&pool.id)
+                .and_then(|s| s.claimed_at)
+                .is_some_and(|t| t.elapsed() < REFILL_DELAY);
+            if settling
+                && mine
+                    .iter()
+                    .any(|r| r.sandbox.state == SandboxState::Running)
+            {
+                continue;
+            }
             if have == size
                 && mine
                     .iter()
@@ -499,12 +523,20 @@ impl Service {
                                 resolved: Some(Vec::new()),
                             };
                         }
-                        self.start_create(rec)
+                        self.admit_resident(|| self.start_create(rec))
                     });
                 match started {
                     Ok(op) => {
                         booting += 1;
                         tracing::info!(pool = %pool.id, operation = %op.id, "filling the pool");
+                    }
+                    // The server is full: the next pass tries again, no back-off.
+                    Err(e @ ServiceError::TooMany { .. }) => {
+                        lock(&self.0.pools.stats)
+                            .entry(pool.id.clone())
+                            .or_default()
+                            .last_error = Some(e.to_string());
+                        break;
                     }
                     Err(e) => {
                         tracing::warn!(pool = %pool.id, error = %e, "cannot fill the pool");

@@ -171,7 +171,8 @@ impl<'a> TenantService<'a> {
                 if let Some(op) = self.svc.claim_pooled(&rec).await {
                     return Ok(op);
                 }
-                self.svc.start_create(rec)
+                // A claim above adds nothing resident; a boot must fit the server.
+                self.svc.admit_resident(|| self.svc.start_create(rec))
             })
             .await
     }

@@ -460,6 +460,31 @@ impl Service {
         create().await
     }
 
+    /// Runs `record` (which makes one more sandbox resident: a create's record, a resume's
+    /// operation) if the server runs fewer resident sandboxes than `max_sandboxes`; the
+    /// count and the record happen under one lock, so concurrent calls cannot overshoot.
+    pub(crate) fn admit_resident<T>(
+        &self,
+        record: impl FnOnce() -> super::Result<T>,
+    ) -> super::Result<T> {
+        let max = self.0.cfg.max_sandboxes;
+        if max == 0 {
+            return record();
+        }
+        let _held = lock(&self.0.capacity);
+        let resident = self.0.store.count_resident_sandboxes()?;
+        if resident >= max {
+            return Err(ServiceError::TooMany {
+                message: format!(
+                    "this server runs {resident} sandboxes, its capacity is {max} \
+                     (--max-sandboxes): retry later, or suspend or destroy one"
+                ),
+                retry_after: Some(5),
+            });
+        }
+        record()
+    }
+
     /// Runs `start` (which records a build operation) if `tenant` has fewer unfinished
     /// builds than its limit; the check and the record happen under one lock.
     pub(crate) async fn admit_build<T>(

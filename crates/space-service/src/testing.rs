@@ -303,6 +303,7 @@ impl TestBed {
             limits: Limits::default(),
             pool_max_sandboxes: 16,
             pool_fills: 2,
+            max_sandboxes: 0,
         }
     }
 
@@ -622,6 +623,9 @@ impl Store for LoggingStore {
     }
     fn count_tenant_sandboxes(&self, tenant: &str) -> Result<u64, StoreError> {
         self.inner.count_tenant_sandboxes(tenant)
+    }
+    fn count_resident_sandboxes(&self) -> Result<u64, StoreError> {
+        self.inner.count_resident_sandboxes()
     }
     fn insert_operation(&self, op: &Operation) -> Result<(), StoreError> {
         let ids = [op.id.as_str(), op.sandbox_id.as_deref().unwrap_or_default()];

@@ -220,6 +220,10 @@ pub trait Store: Send + Sync {
     /// How many sandboxes of `tenant` are not destroyed (failed ones count: they hold
     /// records and output until they are destroyed or purged).
     fn count_tenant_sandboxes(&self, tenant: &str) -> Result<u64, StoreError>;
+    /// How many sandboxes of every tenant (pooled ones included) hold the host's memory
+    /// and CPU: all but the suspended (unless a resume of it is under way), the destroyed
+    /// and the failed.
+    fn count_resident_sandboxes(&self) -> Result<u64, StoreError>;
     fn insert_operation(&self, op: &Operation) -> Result<(), StoreError>;
     /// Writes `op` if the stored operation is still at `op.version` (else
     /// [`StoreError::Conflict`]); on success `op` has the new version.
@@ -365,6 +369,10 @@ impl Store for SqliteStore {
 
     fn count_tenant_sandboxes(&self, tenant: &str) -> Result<u64, StoreError> {
         offload(|| SqliteStore::count_tenant_sandboxes(self, tenant))
+    }
+
+    fn count_resident_sandboxes(&self) -> Result<u64, StoreError> {
+        offload(|| SqliteStore::count_resident_sandboxes(self))
     }
 
     fn insert_operation(&self, op: &Operation) -> Result<(), StoreError> {
@@ -806,6 +814,20 @@ impl SqliteStore {
         let n: i64 = self.conn().query_row(
             "SELECT COUNT(*) FROM sandboxes WHERE tenant = ?1 AND state != 'destroyed'",
             [tenant],
+            |r| r.get(0),
+        )?;
+        Ok(n as u64)
+    }
+
+    /// See [`Store::count_resident_sandboxes`].
+    pub fn count_resident_sandboxes(&self) -> Result<u64, StoreError> {
+        let n: i64 = self.conn().query_row(
+            "SELECT COUNT(*) FROM sandboxes s
+             WHERE s.state NOT IN ('suspended', 'destroyed', 'failed')
+                OR (s.state = 'suspended' AND EXISTS (
+                    SELECT 1 FROM operations o WHERE o.sandbox_id = s.id
+                    AND o.kind = 'resume' AND o.status IN ('pending', 'running')))",
+            [],
             |r| r.get(0),
         )?;
         Ok(n as u64)

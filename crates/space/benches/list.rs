@@ -49,6 +49,9 @@ fn main() {
         "200",
         "--tenant-creates-per-minute",
         "1000",
+        // 100 idle sandboxes are past a 2-core host's default capacity; this bench wants them.
+        "--max-sandboxes",
+        "0",
     ]));
     let c = rawsc::client_of(&server);
 

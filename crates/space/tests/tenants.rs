@@ -617,6 +617,108 @@ async fn a_server_can_run_on_keys_alone() {
     child.wait().unwrap();
 }
 
+/// The server's own capacity (`--max-sandboxes`): resident sandboxes of every tenant
+/// count, pooled ones too; past it a create and the resume of a suspended sandbox get 429
+/// with a Retry-After and change nothing; suspending or destroying one makes room.
+#[tokio::test]
+async fn server_capacity_answers_429_and_frees_up_again() {
+    let s = TestServer::start_with(&["--max-sandboxes", "2"]).await;
+    if !s.runtime_available("gvisor").await {
+        return;
+    }
+    let (a, b) = (new_key(&s, "cap-a"), new_key(&s, "cap-b"));
+    let sb_a = running_sandbox(&s, &a).await;
+    let sb_b = running_sandbox(&s, &b).await;
+    let count = |key: &str| {
+        let (s, key) = (&s, key.to_string());
+        async move {
+            let r = call(s, &key, Method::GET, "/v1/sandboxes", None).await;
+            r.body["sandboxes"].as_array().map_or(0, Vec::len)
+        }
+    };
+    // Full, for either tenant, though each is far below its own limit.
+    for key in [&a, &b] {
+        let r = create_as(&s, key, json!({"template": "busybox"})).await;
+        assert_eq!(r.status, 429, "{}", r.body);
+        assert_eq!(r.body["error"]["code"], "too_many_requests");
+        assert!(
+            r.body["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("--max-sandboxes"),
+            "{}",
+            r.body
+        );
+        assert_eq!(r.retry_after.as_deref(), Some("5"));
+    }
+    assert_eq!(
+        (count(&a).await, count(&b).await),
+        (1, 1),
+        "a refusal made nothing"
+    );
+
+    // A suspended sandbox holds no room: a create fits again; its resume then does not.
+    let wait = |key: &str, op: Value| {
+        let (s, key) = (&s, key.to_string());
+        async move {
+            let op = op["id"].as_str().unwrap().to_string();
+            loop {
+                let r = call(
+                    s,
+                    &key,
+                    Method::GET,
+                    &format!("/v1/operations/{op}?wait=30s"),
+                    None,
+                )
+                .await;
+                match r.body["status"].as_str().unwrap() {
+                    "succeeded" => return,
+                    "failed" | "cancelled" => panic!("{}", r.body),
+                    _ => {}
+                }
+            }
+        }
+    };
+    let r = call(
+        &s,
+        &a,
+        Method::POST,
+        &format!("/v1/sandboxes/{sb_a}/suspend"),
+        None,
+    )
+    .await;
+    assert_eq!(r.status, 202, "{}", r.body);
+    wait(&a, r.body).await;
+    let sb_b2 = running_sandbox(&s, &b).await;
+    let r = call(
+        &s,
+        &a,
+        Method::POST,
+        &format!("/v1/sandboxes/{sb_a}/resume"),
+        None,
+    )
+    .await;
+    assert_eq!(r.status, 429, "{}", r.body);
+    assert_eq!(r.retry_after.as_deref(), Some("5"));
+    let r = call(&s, &a, Method::GET, &format!("/v1/sandboxes/{sb_a}"), None).await;
+    assert_eq!(r.body["state"], "suspended", "{}", r.body);
+
+    // Destroying one makes room for the resume.
+    destroy_as(&s, &b, &sb_b2).await;
+    let r = call(
+        &s,
+        &a,
+        Method::POST,
+        &format!("/v1/sandboxes/{sb_a}/resume"),
+        None,
+    )
+    .await;
+    assert_eq!(r.status, 202, "{}", r.body);
+    wait(&a, r.body).await;
+    destroy_as(&s, &a, &sb_a).await;
+    destroy_as(&s, &b, &sb_b).await;
+}
+
 /// Per-tenant sandbox count and create rate, per-sandbox and per-tenant running commands.
 #[tokio::test]
 async fn limits_answer_429_and_free_up_again() {
