@@ -78,7 +78,7 @@ async fn empty_format(formats: &Path, bytes: u64) -> Result<PathBuf, RuntimeErro
         .map_err(|e| RuntimeError::io(format!("creating {}", formats.display()), e))?;
     // Concurrent first creates of one size each format their own and rename: the last wins,
     // and every one of them is whole.
-    let tmp = formats.join(format!(".ext4-{bytes}.{}.tmp", unique()));
+    let tmp = crate::guest::temp_path(&path);
     let file = std::fs::File::create(&tmp)
         .map_err(|e| RuntimeError::io(format!("creating {}", tmp.display()), e))?;
     file.set_len(bytes)
@@ -100,17 +100,6 @@ async fn empty_format(formats: &Path, bytes: u64) -> Result<PathBuf, RuntimeErro
     std::fs::rename(&tmp, &path)
         .map_err(|e| RuntimeError::io(format!("renaming {}", tmp.display()), e))?;
     Ok(path)
-}
-
-/// A name no other caller in this process (or another one) picks at the same time.
-fn unique() -> String {
-    use std::sync::atomic::{AtomicU64, Ordering};
-    static NEXT: AtomicU64 = AtomicU64::new(0);
-    format!(
-        "{}.{}",
-        std::process::id(),
-        NEXT.fetch_add(1, Ordering::Relaxed)
-    )
 }
 
 /// Copies `src` to a new file `dst` (written beside it, then renamed), holes kept as holes:

@@ -165,7 +165,8 @@ pub fn scrub_token(path: &Path, at: u64, len: usize) -> io::Result<()> {
     f.sync_all()
 }
 
-fn temp_path(out: &Path) -> PathBuf {
+/// A name beside `out` for writing it before a rename: distinct between concurrent writers.
+pub(crate) fn temp_path(out: &Path) -> PathBuf {
     let name = out
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())

@@ -78,7 +78,13 @@ async fn create_as(s: &TestServer, key: &str, body: Value) -> Reply {
 async fn running_sandbox(s: &TestServer, key: &str) -> String {
     let r = create_as(s, key, json!({"template": "busybox"})).await;
     assert_eq!(r.status, 202, "{}", r.body);
-    let op = r.body["id"].as_str().unwrap().to_string();
+    let op = succeeded(s, key, &r.body).await;
+    op["sandbox_id"].as_str().unwrap().to_string()
+}
+
+/// Waits, as `key`'s tenant, until the operation `op` succeeds (panics if it fails).
+async fn succeeded(s: &TestServer, key: &str, op: &Value) -> Value {
+    let op = op["id"].as_str().unwrap();
     for _ in 0..20 {
         let r = call(
             s,
@@ -90,12 +96,12 @@ async fn running_sandbox(s: &TestServer, key: &str) -> String {
         .await;
         assert_eq!(r.status, 200, "{}", r.body);
         match r.body["status"].as_str().unwrap() {
-            "succeeded" => return r.body["sandbox_id"].as_str().unwrap().to_string(),
-            "failed" | "cancelled" => panic!("create failed: {}", r.body),
+            "succeeded" => return r.body,
+            "failed" | "cancelled" => panic!("operation failed: {}", r.body),
             _ => {}
         }
     }
-    panic!("create did not finish");
+    panic!("operation {op} did not finish");
 }
 
 async fn destroy_as(s: &TestServer, key: &str, sb: &str) {
@@ -658,46 +664,15 @@ async fn server_capacity_answers_429_and_frees_up_again() {
     );
 
     // A suspended sandbox holds no room: a create fits again; its resume then does not.
-    let wait = |key: &str, op: Value| {
-        let (s, key) = (&s, key.to_string());
-        async move {
-            let op = op["id"].as_str().unwrap().to_string();
-            loop {
-                let r = call(
-                    s,
-                    &key,
-                    Method::GET,
-                    &format!("/v1/operations/{op}?wait=30s"),
-                    None,
-                )
-                .await;
-                match r.body["status"].as_str().unwrap() {
-                    "succeeded" => return,
-                    "failed" | "cancelled" => panic!("{}", r.body),
-                    _ => {}
-                }
-            }
-        }
+    let act = |action: &'static str| {
+        let (s, a, path) = (&s, &a, format!("/v1/sandboxes/{sb_a}/{action}"));
+        async move { call(s, a, Method::POST, &path, None).await }
     };
-    let r = call(
-        &s,
-        &a,
-        Method::POST,
-        &format!("/v1/sandboxes/{sb_a}/suspend"),
-        None,
-    )
-    .await;
+    let r = act("suspend").await;
     assert_eq!(r.status, 202, "{}", r.body);
-    wait(&a, r.body).await;
+    succeeded(&s, &a, &r.body).await;
     let sb_b2 = running_sandbox(&s, &b).await;
-    let r = call(
-        &s,
-        &a,
-        Method::POST,
-        &format!("/v1/sandboxes/{sb_a}/resume"),
-        None,
-    )
-    .await;
+    let r = act("resume").await;
     assert_eq!(r.status, 429, "{}", r.body);
     assert_eq!(r.retry_after.as_deref(), Some("5"));
     let r = call(&s, &a, Method::GET, &format!("/v1/sandboxes/{sb_a}"), None).await;
@@ -705,16 +680,9 @@ async fn server_capacity_answers_429_and_frees_up_again() {
 
     // Destroying one makes room for the resume.
     destroy_as(&s, &b, &sb_b2).await;
-    let r = call(
-        &s,
-        &a,
-        Method::POST,
-        &format!("/v1/sandboxes/{sb_a}/resume"),
-        None,
-    )
-    .await;
+    let r = act("resume").await;
     assert_eq!(r.status, 202, "{}", r.body);
-    wait(&a, r.body).await;
+    succeeded(&s, &a, &r.body).await;
     destroy_as(&s, &a, &sb_a).await;
     destroy_as(&s, &b, &sb_b).await;
 }
