@@ -26,9 +26,14 @@ use crate::http::Body;
 
 /// Directory the file API is rooted at (tests point it at a temporary one).
 const ROOT_ENV: &str = "SPACE_AGENT_FILES_ROOT";
-/// Chunks in flight per body, each at most [`CHUNK`].
+/// Chunks in flight per body, each at most [`CHUNK`] (a file download's at most
+/// [`FILE_CHUNK`]).
 const QUEUE: usize = 4;
 const CHUNK: usize = 256 * 1024;
+/// A file download's read size. Under gVisor every read is a trap into the Sentry and
+/// every chunk a wake-up of the connection's task: 1 MiB reads move a file about 1.5×
+/// faster than 256 KiB ones (`dd` in a sandbox: 0.19 s against 0.12 s a GiB).
+const FILE_CHUNK: usize = 1 << 20;
 /// Trailer sent when a streamed download fails after its headers went out.
 const ERROR_TRAILER: &str = "x-space-error";
 
@@ -245,6 +250,8 @@ fn percent_decode(s: &str) -> Option<String> {
 struct BodyReader {
     rx: mpsc::Receiver<io::Result<Bytes>>,
     cur: Bytes,
+    /// An error that arrived behind bytes still to be returned.
+    failed: Option<io::Error>,
 }
 
 impl BodyReader {
@@ -269,22 +276,47 @@ impl BodyReader {
         BodyReader {
             rx,
             cur: Bytes::new(),
+            failed: None,
         }
     }
 }
 
 impl Read for BodyReader {
+    /// Waits for the first bytes, then also takes what has already arrived behind them,
+    /// up to `buf`'s size: a writer that falls behind catches up in a few large writes
+    /// (each a trap into gVisor's Sentry) rather than one per HTTP/2 frame.
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        if buf.is_empty() {
+            return Ok(0);
+        }
         while self.cur.is_empty() {
+            if let Some(e) = self.failed.take() {
+                return Err(e);
+            }
             match self.rx.blocking_recv() {
                 Some(Ok(b)) => self.cur = b,
                 Some(Err(e)) => return Err(e),
                 None => return Ok(0),
             }
         }
-        let n = buf.len().min(self.cur.len());
-        buf[..n].copy_from_slice(&self.cur.split_to(n));
-        Ok(n)
+        let mut n = 0;
+        loop {
+            let take = (buf.len() - n).min(self.cur.len());
+            buf[n..n + take].copy_from_slice(&self.cur.split_to(take));
+            n += take;
+            if n == buf.len() {
+                return Ok(n);
+            }
+            match self.rx.try_recv() {
+                Ok(Ok(b)) => self.cur = b,
+                // An error or the end is seen by the next read, after these bytes.
+                Ok(Err(e)) => {
+                    self.failed = Some(e);
+                    return Ok(n);
+                }
+                Err(_) => return Ok(n),
+            }
+        }
     }
 }
 
@@ -381,27 +413,24 @@ async fn download(root: Arc<Root>, q: Query) -> Result<Response<Body>, Response<
     let (tx, rx) = mpsc::channel(QUEUE);
     let size = info.size;
     tokio::task::spawn_blocking(move || {
-        let mut w = ChannelWriter {
+        let w = ChannelWriter {
             tx,
             buf: BytesMut::new(),
         };
         let mut left = size;
-        let mut buf = vec![0u8; CHUNK];
         while left > 0 {
-            let want = buf.len().min(usize::try_from(left).unwrap_or(usize::MAX));
-            match file.read(&mut buf[..want]) {
+            let want = FILE_CHUNK.min(usize::try_from(left).unwrap_or(usize::MAX));
+            // Read straight into the chunk that is sent: no zeroing, no second copy.
+            let mut chunk = Vec::with_capacity(want);
+            match (&mut file).take(want as u64).read_to_end(&mut chunk) {
                 // The file shrank: the body ends short of its content-length.
                 Ok(0) => break,
                 Ok(n) => {
                     left -= n as u64;
-                    if w.tx
-                        .blocking_send(Chunk::Data(Bytes::copy_from_slice(&buf[..n])))
-                        .is_err()
-                    {
+                    if w.tx.blocking_send(Chunk::Data(Bytes::from(chunk))).is_err() {
                         return;
                     }
                 }
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => {
                     let e = FsError::Io {
                         context: "reading the file".into(),
@@ -412,7 +441,6 @@ async fn download(root: Arc<Root>, q: Query) -> Result<Response<Body>, Response<
                 }
             }
         }
-        let _ = w.send();
     });
     let mut r = stream_response(rx, "application/octet-stream");
     let h = r.headers_mut();
@@ -582,6 +610,37 @@ async fn rename(root: Arc<Root>, body: Incoming) -> Result<Response<Body>, Respo
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn reader(items: Vec<io::Result<&'static [u8]>>) -> BodyReader {
+        let (tx, rx) = mpsc::channel(items.len().max(1));
+        for item in items {
+            tx.try_send(item.map(Bytes::from_static)).unwrap();
+        }
+        BodyReader {
+            rx,
+            cur: Bytes::new(),
+            failed: None,
+        }
+    }
+
+    #[test]
+    fn a_body_read_takes_what_has_arrived_then_its_error_or_end() {
+        // Frames already queued are joined into one read, up to the buffer's size.
+        let mut r = reader(vec![Ok(b"ab"), Ok(b"cde"), Ok(b"fghij")]);
+        let mut buf = [0u8; 8];
+        assert_eq!(r.read(&mut buf).unwrap(), 8);
+        assert_eq!(&buf, b"abcdefgh");
+        assert_eq!(r.read(&mut buf).unwrap(), 2);
+        assert_eq!(&buf[..2], b"ij");
+        assert_eq!(r.read(&mut buf).unwrap(), 0, "the sender is gone: the end");
+
+        // An error behind bytes comes after them, and only once they are read.
+        let mut r = reader(vec![Ok(b"ab"), Err(io::Error::other("reset")), Ok(b"cd")]);
+        assert_eq!(r.read(&mut buf).unwrap(), 2);
+        assert_eq!(&buf[..2], b"ab");
+        assert_eq!(r.read(&mut buf).unwrap_err().to_string(), "reset");
+        assert_eq!(r.read(&mut [][..]).unwrap(), 0);
+    }
 
     #[test]
     fn queries_decode() {

@@ -51,6 +51,10 @@ const MAX_PAX_BYTES: u64 = 1 << 20;
 pub const SANDBOX_FORBIDDEN: &[&str] = &["/.space", "/proc", "/sys", "/dev"];
 
 const CHUNK: usize = 64 * 1024;
+/// The write size of a file upload. Under gVisor each write is a trap into the Sentry
+/// and a write to the host: 1 MiB writes store a file about 1.2-1.8× faster than 64 KiB
+/// ones (`dd` in a sandbox). Archive entries keep [`CHUNK`]: most are small.
+const FILE_CHUNK: usize = 1 << 20;
 
 /// What went wrong, named for the HTTP answer it becomes ([`FsError::status`], [`FsError::code`]).
 #[derive(Debug, thiserror::Error)]
@@ -1040,7 +1044,7 @@ impl Root {
         let (tmp_name, file) = create_temp(dir).map_err(|e| os_err(&shown, e))?;
         let result = (|| {
             let mut file = file;
-            copy_all(data, &mut file, u64::MAX, &shown)?;
+            copy_all(data, &mut file, u64::MAX, &shown, FILE_CHUNK)?;
             fchown(file.as_fd(), attrs.uid, attrs.gid).map_err(|e| os_err(&shown, e))?;
             fchmod(file.as_fd(), attrs.mode & 0o7777).map_err(|e| os_err(&shown, e))?;
             renameat(dir, &tmp_name, dir, name).map_err(|e| os_err(&shown, e))?;
@@ -1369,8 +1373,15 @@ impl<W: Write> Write for Poison<W> {
 }
 
 /// Copies `from` to `to`, at most `limit` bytes (more is [`FsError::TooLarge`]).
-fn copy_all(mut from: impl Read, to: &mut File, limit: u64, shown: &str) -> Result<u64, FsError> {
-    let mut buf = vec![0u8; CHUNK];
+/// Copies `from` into `to` through a buffer of `chunk` bytes; more than `limit` fails.
+fn copy_all(
+    mut from: impl Read,
+    to: &mut File,
+    limit: u64,
+    shown: &str,
+    chunk: usize,
+) -> Result<u64, FsError> {
+    let mut buf = vec![0u8; chunk];
     let mut total = 0u64;
     loop {
         let n = match from.read(&mut buf) {
@@ -1958,12 +1969,14 @@ impl Unpacker<'_> {
                 .map_err(|e| os_err(here, e))?;
                 let mut file = File::from(fd);
                 let left = self.limits.max_bytes - self.stats.bytes;
-                let n = copy_all(data.take(size), &mut file, left, here).map_err(|e| match e {
-                    FsError::InvalidRequest(m) => FsError::InvalidRequest(
-                        m.replace("reading the upload failed", "reading the archive failed"),
-                    ),
-                    e => e,
-                })?;
+                let n = copy_all(data.take(size), &mut file, left, here, CHUNK).map_err(
+                    |e| match e {
+                        FsError::InvalidRequest(m) => FsError::InvalidRequest(
+                            m.replace("reading the upload failed", "reading the archive failed"),
+                        ),
+                        e => e,
+                    },
+                )?;
                 if n != size {
                     return Err(FsError::InvalidRequest("the archive ends early".into()));
                 }
