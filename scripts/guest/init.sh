@@ -3,8 +3,9 @@
 #
 # Contract with the host (space_runtime::microvm):
 #   kernel command line: space.id=<sandbox id> [space.pids=<n>] [space.disk=1]
-#     [space.hostname=<name>] [space.failpoint=<name>] (a test hook of the agent); anything
-#     else is ignored. Never the token: /proc/cmdline is
+#     [space.hostname=<name>] [space.failpoint=<name>] (a test hook of the agent)
+#     [space.vsock=1] (loads the virtio-vsock modules; for a driver whose agent channel is
+#     vsock, docs/FIRECRACKER.md); anything else is ignored. Never the token: /proc/cmdline is
 #     readable by every process of the guest, and QEMU's argv by every user of the host.
 #   /space-token: the agent's token (0600), in a third cpio archive the host appends to the
 #     sandbox's own initramfs. It is copied to /.space/run/token for the agent, which
@@ -16,9 +17,10 @@
 #   virtio-serial port named `space.agent`: the agent's byte stream to the host
 #     (/dev/virtio-ports/space.agent inside the sandbox).
 #   /space-agent: the agent, appended to this initramfs by the host as a second cpio archive.
-# It mounts the root, gives it /proc /sys /dev /dev/pts /dev/shm, puts the agent on a read-only
-# tmpfs at /.space/bin and the token in /.space/run/token, and becomes the agent (PID 1), which
-# moves that root over this initramfs (SPACE_NEW_ROOT) and enters it.
+# It loads the modules, mounts the root, binds the agent read-only into a read-only tmpfs at
+# /.space/bin, puts the token in /.space/run/token, sets up egress, and becomes the agent
+# (PID 1), which gives the root /dev /proc /sys /dev/pts /dev/shm, moves it over this
+# initramfs (SPACE_NEW_ROOT) and enters it.
 # On any failure it prints one `space-init: ...` line and powers the VM off.
 
 export PATH=/bin:/sbin
@@ -37,9 +39,10 @@ exec </dev/console >/dev/console 2>&1
 mount -t proc -o nosuid,nodev,noexec proc /proc || fail "cannot mount /proc"
 mount -t sysfs -o nosuid,nodev,noexec sysfs /sys || fail "cannot mount /sys"
 
-id= pids= disk= hostname= net= failpoint=
-# shellcheck disable=SC2013 # words, not lines
-for word in $(cat /proc/cmdline); do
+id= pids= disk= hostname= net= failpoint= vsock=
+read -r cmdline </proc/cmdline
+set -f # words of the command line, never file names
+for word in $cmdline; do
   case "$word" in
     space.id=*) id="${word#space.id=}" ;;
     space.pids=*) pids="${word#space.pids=}" ;;
@@ -47,22 +50,32 @@ for word in $(cat /proc/cmdline); do
     space.hostname=*) hostname="${word#space.hostname=}" ;;
     space.net=*) net="${word#space.net=}" ;;
     space.failpoint=*) failpoint="${word#space.failpoint=}" ;;
+    space.vsock=*) vsock="${word#space.vsock=}" ;;
   esac
 done
+set +f
 [ -n "$id" ] || fail "no space.id= on the kernel command line"
 [ -s /space-token ] || fail "no /space-token in the initramfs (the host appends it)"
 case "$pids" in
   '' | *[!0-9]*) [ -z "$pids" ] || fail "space.pids=$pids is not a number" ;;
 esac
 
-while read -r mod; do
-  [ -n "$mod" ] || continue
-  # EEXIST: already loaded (or built in on another kernel) is fine.
-  out="$(insmod "/lib/modules/$mod.ko" 2>&1)" || case "$out" in
-    *exists*) ;;
-    *) fail "cannot load module $mod: $out" ;;
-  esac
-done </lib/modules/order
+# Loads the modules of one group (scripts/build-guest.sh), in order.
+load_modules() {
+  while read -r mod; do
+    [ -n "$mod" ] || continue
+    # EEXIST: already loaded (or built in on another kernel) is fine. No $(...) around
+    # insmod: under TCG every extra fork costs the boot milliseconds.
+    insmod "/lib/modules/$mod.ko" 2>/insmod.err || case "$(cat /insmod.err)" in
+      *exists*) ;;
+      *) fail "cannot load module $mod: $(cat /insmod.err)" ;;
+    esac
+  done <"/lib/modules/$1"
+}
+load_modules boot
+# The agent makes module loading one-way off, so what a sandbox may use is loaded now.
+[ -z "$net" ] || load_modules net
+[ "$vsock" != 1 ] || load_modules vsock
 
 # Devices appear while the drivers probe; wait for them (5 s at most, polled).
 port=
@@ -75,11 +88,11 @@ while :; do
   fi
   [ -b /dev/vda ] && [ -n "$port" ] && [ -c "/dev/$port" ] && break
   tries=$((tries + 1))
-  if [ "$tries" -gt 100 ]; then
+  if [ "$tries" -gt 500 ]; then
     [ -b /dev/vda ] || fail "no root disk /dev/vda (virtio-blk) after 5 s"
     fail "no virtio-serial port named space.agent after 5 s"
   fi
-  sleep 0.05
+  sleep 0.01
 done
 mkdir -p /dev/virtio-ports
 ln -sf "../$port" /dev/virtio-ports/space.agent
@@ -96,46 +109,37 @@ mount -t tmpfs -o mode=0755,nosuid,nodev,size=1m space $r/.space || fail "cannot
 mkdir -p -m 0755 $r/.space/bin $r/.space/run
 mount -t tmpfs -o mode=0755,nosuid,nodev space-bin $r/.space/bin || fail "cannot mount /.space/bin"
 [ -f /space-agent ] || fail "no /space-agent in the initramfs (the host appends it)"
-cp /space-agent $r/.space/bin/space-agent || fail "cannot copy the agent (out of memory?)"
-chmod 0755 $r/.space/bin/space-agent
+# The agent is bound, read-only, over an empty file of that tmpfs: no copy (under TCG copying
+# its megabytes took about a tenth of a second of every boot). The initramfs' own name for it
+# goes when the agent empties the initramfs; the bind keeps the file.
+chmod 0755 /space-agent
+: >$r/.space/bin/space-agent || fail "cannot create /.space/bin/space-agent"
+mount --bind /space-agent $r/.space/bin/space-agent || fail "cannot bind the agent"
+mount -o remount,bind,ro,nosuid,nodev $r/.space/bin/space-agent \
+  || fail "cannot make the agent read-only"
 mount -o remount,ro,nosuid,nodev space-bin $r/.space/bin || fail "cannot make /.space/bin read-only"
 mount -t tmpfs -o mode=0700,nosuid,nodev,noexec,size=1m space-run $r/.space/run || fail "cannot mount /.space/run"
 (umask 077 && cp /space-token $r/.space/run/token) || fail "cannot write the token"
 rm -f /space-token
 
-for d in dev proc sys tmp; do
-  [ -d $r/$d ] || mkdir -p $r/$d || fail "cannot create /$d in the root filesystem"
-done
-chmod 1777 $r/tmp 2>/dev/null
-mount --move /dev $r/dev || fail "cannot move /dev"
-mount --move /proc $r/proc || fail "cannot move /proc"
-mount --move /sys $r/sys || fail "cannot move /sys"
-mkdir -p $r/dev/pts $r/dev/shm
-mount -t devpts -o nosuid,noexec,newinstance,ptmxmode=0666,mode=0620,gid=5 devpts $r/dev/pts \
-  || fail "cannot mount /dev/pts"
-mount -t tmpfs -o nosuid,nodev,noexec,mode=1777 shm $r/dev/shm || fail "cannot mount /dev/shm"
-ln -sf pts/ptmx $r/dev/ptmx 2>/dev/null || { rm -f $r/dev/ptmx && ln -s pts/ptmx $r/dev/ptmx; }
-ln -sfn /proc/self/fd $r/dev/fd
-ln -sf /proc/self/fd/0 $r/dev/stdin
-ln -sf /proc/self/fd/1 $r/dev/stdout
-ln -sf /proc/self/fd/2 $r/dev/stderr
-
-ip link set lo up 2>/dev/null
 if [ -n "$net" ]; then
   # Egress (space.net=ADDR/PREFIX,GATEWAY): the one virtio-net NIC, IPv4 only. What it
   # may reach is decided by the host's firewall, not here.
   tries=0
-  while [ ! -e $r/sys/class/net/eth0 ]; do
+  while [ ! -e /sys/class/net/eth0 ]; do
     tries=$((tries + 1))
-    [ "$tries" -le 100 ] || fail "space.net is set but no eth0 (virtio-net) after 5 s; interfaces: $(ls $r/sys/class/net | tr '\n' ' ')"
+    [ "$tries" -le 100 ] || fail "space.net is set but no eth0 (virtio-net) after 5 s; interfaces: $(ls /sys/class/net | tr '\n' ' ')"
     sleep 0.05
   done
-  for f in $r/proc/sys/net/ipv6/conf/*/disable_ipv6; do echo 1 >"$f" 2>/dev/null; done
+  for f in /proc/sys/net/ipv6/conf/*/disable_ipv6; do echo 1 >"$f" 2>/dev/null; done
   ip addr add "${net%,*}" dev eth0 || fail "cannot set the address ${net%,*} on eth0"
   ip link set eth0 up || fail "cannot bring eth0 up"
   ip route add default via "${net#*,}" dev eth0 || fail "cannot route via ${net#*,}"
 fi
-hostname "${hostname:-$id}" 2>/dev/null
+
+# The rest is the agent's (space_agent::guest::finish_root), in system calls rather than a
+# process a step: /dev, /proc and /sys moved into the root, /dev/pts, /dev/shm, the /dev links,
+# /tmp's mode, lo up and the host name.
 
 # No switch_root here: its chroot would move the kernel's own root (shared by PID 1 and the
 # kernel threads, which look up usermode helpers such as modprobe there) into the sandbox's
@@ -149,5 +153,6 @@ exec env -i \
   SPACE_FAILPOINT="$failpoint" \
   SPACE_AGENT_PORT=/dev/virtio-ports/space.agent \
   SPACE_NEW_ROOT=$r \
+  SPACE_HOSTNAME="${hostname:-$id}" \
   $r/.space/bin/space-agent
 fail "cannot start the agent"

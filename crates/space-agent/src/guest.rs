@@ -68,6 +68,141 @@ fn check(step: &'static str, rc: libc::c_int) -> Result<(), GuestError> {
     }
 }
 
+/// Finishes the root `/init` mounted at `new_root`, in system calls where a shell would
+/// start a process a step (each costs a TCG guest milliseconds of its boot): `/dev`,
+/// `/proc` and `/sys` moved into it, a fresh `/dev/pts` and `/dev/shm`, the `/dev` links,
+/// `/tmp` world-writable and sticky, the loopback interface up and the host name set.
+/// Call as the guest's init, before [`enter_root`].
+pub fn finish_root(new_root: &Path, hostname: &str) -> Result<(), GuestError> {
+    for d in ["dev", "proc", "sys", "tmp"] {
+        let dir = new_root.join(d);
+        if !dir.is_dir() {
+            std::fs::create_dir_all(&dir).map_err(|source| GuestError::Root {
+                step: "create /dev, /proc, /sys or /tmp in the root filesystem",
+                source,
+            })?;
+        }
+    }
+    // Best effort, as before: a root whose /tmp cannot change keeps its mode.
+    let _ = std::fs::set_permissions(
+        new_root.join("tmp"),
+        std::os::unix::fs::PermissionsExt::from_mode(0o1777),
+    );
+    for (from, step) in [
+        ("/dev", "move /dev into the root"),
+        ("/proc", "move /proc into the root"),
+        ("/sys", "move /sys into the root"),
+    ] {
+        let to = new_root.join(&from[1..]);
+        mount(Path::new(from), &to, None, libc::MS_MOVE, None, step)?;
+    }
+    let dev = new_root.join("dev");
+    for d in ["pts", "shm"] {
+        std::fs::create_dir_all(dev.join(d)).map_err(|source| GuestError::Root {
+            step: "create /dev/pts or /dev/shm",
+            source,
+        })?;
+    }
+    mount(
+        Path::new("devpts"),
+        &dev.join("pts"),
+        Some("devpts"),
+        libc::MS_NOSUID | libc::MS_NOEXEC,
+        Some("newinstance,ptmxmode=0666,mode=0620,gid=5"),
+        "mount /dev/pts",
+    )?;
+    mount(
+        Path::new("shm"),
+        &dev.join("shm"),
+        Some("tmpfs"),
+        libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
+        Some("mode=1777"),
+        "mount /dev/shm",
+    )?;
+    for (name, target) in [
+        ("ptmx", "pts/ptmx"),
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+    ] {
+        let link = dev.join(name);
+        // devtmpfs has a ptmx device of its own; the new instance's is the one to use.
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink(target, &link).map_err(|source| GuestError::Root {
+            step: "link /dev/ptmx, /dev/fd and /dev/std*",
+            source,
+        })?;
+    }
+    // Best effort, as before: a guest without them still runs commands.
+    let _ = loopback_up();
+    // SAFETY: a valid buffer of the length passed.
+    let _ = unsafe { libc::sethostname(hostname.as_ptr().cast(), hostname.len()) };
+    Ok(())
+}
+
+/// `mount(2)`, its failure named by `step`.
+fn mount(
+    source: &Path,
+    target: &Path,
+    fstype: Option<&str>,
+    flags: libc::c_ulong,
+    data: Option<&str>,
+    step: &'static str,
+) -> Result<(), GuestError> {
+    let source = c(source)?;
+    let target = c(target)?;
+    let text = |s: Option<&str>| {
+        s.map(|s| {
+            CString::new(s).map_err(|_| GuestError::Root {
+                step,
+                source: io::ErrorKind::InvalidInput.into(),
+            })
+        })
+        .transpose()
+    };
+    let (fstype, data) = (text(fstype)?, text(data)?);
+    // SAFETY: valid C strings or null; plain syscall.
+    check(step, unsafe {
+        libc::mount(
+            source.as_ptr(),
+            target.as_ptr(),
+            fstype.as_ref().map_or(std::ptr::null(), |s| s.as_ptr()),
+            flags,
+            data.as_ref()
+                .map_or(std::ptr::null(), |s| s.as_ptr().cast()),
+        )
+    })
+}
+
+/// Brings `lo` up, as `ip link set lo up` does.
+fn loopback_up() -> io::Result<()> {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    // SAFETY: plain syscall; the descriptor is owned from here on.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a fresh descriptor nothing else owns.
+    let sock = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: ifreq is plain data; all zeroes is a valid value.
+    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
+    for (dst, src) in req.ifr_name.iter_mut().zip(b"lo") {
+        *dst = *src as libc::c_char;
+    }
+    // SAFETY: a valid socket and ifreq for these requests.
+    unsafe {
+        if libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFFLAGS, &mut req) < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        req.ifr_ifru.ifru_flags |= libc::IFF_UP as libc::c_short;
+        if libc::ioctl(sock.as_raw_fd(), libc::SIOCSIFFLAGS, &req) < 0 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
 /// Makes `new_root` (a mount point in the initramfs) the root of PID 1, and only
 /// of PID 1 and what it starts. Call first thing in `main`, while the process
 /// has one thread (a thread's `unshare(CLONE_FS)` would leave the others behind).

@@ -138,7 +138,10 @@ fn main() -> ExitCode {
     let microvm_init = std::process::id() == 1 && std::env::var_os("SPACE_NEW_ROOT").is_some();
     if microvm_init {
         let new_root = std::env::var_os("SPACE_NEW_ROOT").unwrap_or_default();
-        let set_up = guest::enter_root(std::path::Path::new(&new_root))
+        let new_root = std::path::Path::new(&new_root);
+        let hostname = std::env::var("SPACE_HOSTNAME").unwrap_or_default();
+        let set_up = guest::finish_root(new_root, &hostname)
+            .and_then(|()| guest::enter_root(new_root))
             .and_then(|()| guest::close_helpers());
         if let Err(e) = set_up {
             // Fail closed: a guest whose kernel would run a planted helper as root must

@@ -104,7 +104,7 @@ async fn empty_format(formats: &Path, bytes: u64) -> Result<PathBuf, RuntimeErro
 
 /// Copies `src` to a new file `dst` (written beside it, then renamed), holes kept as holes:
 /// only the extents that hold data are read and written, by the kernel.
-fn copy_sparse(src: &Path, dst: &Path) -> std::io::Result<()> {
+pub(crate) fn copy_sparse(src: &Path, dst: &Path) -> std::io::Result<()> {
     use std::os::fd::AsRawFd;
 
     let from = std::fs::File::open(src)?;

@@ -443,7 +443,14 @@ impl MicrovmRuntime {
     }
 
     /// The QEMU argument list of a sandbox.
-    fn qemu_args(&self, spec: &SandboxSpec, initramfs: &Path) -> Result<Vec<String>, RuntimeError> {
+    /// QEMU's command line for `spec`; with `grow_disk` the guest grows its root filesystem
+    /// to the disk's size as it boots.
+    fn qemu_args(
+        &self,
+        spec: &SandboxSpec,
+        initramfs: &Path,
+        grow_disk: bool,
+    ) -> Result<Vec<String>, RuntimeError> {
         let state = &spec.state_dir;
         let agent_socket = spec.run_dir.join(AGENT_SOCKET);
         let qmp_socket = state.join(QMP_SOCKET);
@@ -486,9 +493,12 @@ impl MicrovmRuntime {
             spec.memory_mib
         });
         let mut cmdline = format!(
-            "console=ttyS0 quiet panic=-1 space.id={} space.pids={} space.disk=1 space.hostname={}",
+            "console=ttyS0 quiet panic=-1 space.id={} space.pids={} space.hostname={}",
             spec.id, spec.pids, spec.hostname
         );
+        if grow_disk {
+            cmdline.push_str(" space.disk=1");
+        }
         // A test failpoint of the agent (only ever set by the server; see space_agent's
         // failpoint module): the guest's init passes it on.
         if let Some((_, fp)) = spec.agent_env.iter().find(|(k, _)| k == "SPACE_FAILPOINT") {
@@ -574,7 +584,15 @@ impl MicrovmRuntime {
 
     /// Boots `spec`'s VM on a disk over `base` (an ext4 image of its root, never written):
     /// returns once the guest's agent opened its port and QEMU dials the host's socket.
-    async fn boot(&self, spec: &SandboxSpec, base: &Path) -> Result<(), RuntimeError> {
+    /// A `shared_base` (a template's cached image) is grown to the disk's size once, on the
+    /// host ([`image::grown_image`]); a private one (a build step's, used once) is grown by
+    /// the guest as it boots.
+    async fn boot(
+        &self,
+        spec: &SandboxSpec,
+        base: &Path,
+        shared_base: bool,
+    ) -> Result<(), RuntimeError> {
         let state = &spec.state_dir;
         check_id(&spec.id)?;
         check_socket_path(&spec.run_dir.join(AGENT_SOCKET))?;
@@ -620,8 +638,27 @@ impl MicrovmRuntime {
         } else {
             spec.disk_mib
         };
-        let args = self.qemu_args(spec, &initramfs)?;
         check_qemu_path(base)?;
+        let disk = state.join(DISK_FILE);
+        // A new disk over a shared image is an overlay of that image already grown to the
+        // quota's size, so the guest has nothing to grow. An existing disk (made by an earlier
+        // server) and a private image still need the guest's resize2fs.
+        let mut grow_in_guest = !shared_base || disk.exists();
+        if !disk.exists() {
+            // What the guest can write is the image's own free space plus the growth, so the
+            // growth makes up the rest of the quota.
+            let free_mib = image::ext4_free_mib(base).await.unwrap_or(0);
+            let size_mib = (base_mib.saturating_sub(free_mib) + disk_mib).max(base_mib);
+            let backing = if shared_base {
+                image::grown_image(base, size_mib).await?
+            } else {
+                base.to_path_buf()
+            };
+            check_qemu_path(&backing)?;
+            image::overlay(&self.cfg.qemu_img, &backing, &disk, size_mib).await?;
+            grow_in_guest |= backing == base;
+        }
+        let args = self.qemu_args(spec, &initramfs, grow_in_guest)?;
         // An egress sandbox: a tap of its own on the host, a virtio-net NIC in the guest,
         // and its address on the kernel command line (the guest's /init configures it).
         let args = match spec.network.clone() {
@@ -635,14 +672,6 @@ impl MicrovmRuntime {
             }
             None => args,
         };
-        let disk = state.join(DISK_FILE);
-        if !disk.exists() {
-            // The guest grows its filesystem to the overlay's size: what it can write is the
-            // image's own free space plus the growth, so the growth makes up the rest of the quota.
-            let free_mib = image::ext4_free_mib(base).await.unwrap_or(0);
-            let size_mib = base_mib.saturating_sub(free_mib) + disk_mib;
-            image::overlay(&self.cfg.qemu_img, base, &disk, size_mib.max(base_mib)).await?;
-        }
         write_private(
             &state.join(LAUNCH_FILE),
             &serde_json::to_vec(&args).unwrap_or_default(),
@@ -714,7 +743,7 @@ impl Runtime for MicrovmRuntime {
     async fn create(&self, spec: &SandboxSpec) -> Result<(), RuntimeError> {
         check_id(&spec.id)?;
         let base = image::rootfs_image(&self.cfg.images_dir, &spec.rootfs).await?;
-        self.boot(spec, &base).await
+        self.boot(spec, &base, true).await
     }
 
     async fn pause(&self, id: &str) -> Result<(), RuntimeError> {

@@ -356,13 +356,16 @@ async fn disk_quota_is_the_device_size_and_a_killed_vm_is_stopped() {
     let id = vm.spec.id.as_str();
     let state = vm.spec.state_dir.clone();
     rt.create(&vm.spec).await.unwrap();
-    let images: Vec<_> = fs::read_dir(&rt.config().images_dir)
+    let mut images: Vec<_> = fs::read_dir(&rt.config().images_dir)
         .unwrap()
         .flatten()
         .map(|e| e.path())
         .filter(|p| p.extension().is_some_and(|e| e == "ext4"))
         .collect();
-    assert_eq!(images.len(), 1, "{images:?}");
+    // The template's image (the shorter name), and beside it its copy grown to the quota's
+    // size on the host.
+    images.sort_by_key(|p| p.as_os_str().len());
+    assert_eq!(images.len(), 2, "{images:?}");
     let base_mib = fs::metadata(&images[0]).unwrap().len() >> 20;
     let mut qmp = Qmp::connect(&state.join("qmp.sock"), Duration::from_secs(10))
         .await
@@ -379,7 +382,20 @@ async fn disk_quota_is_the_device_size_and_a_killed_vm_is_stopped() {
         .await
         .expect("dumpe2fs reads the image");
     let size = root["inserted"]["image"]["virtual-size"].as_u64().unwrap();
-    assert_eq!(size, (base_mib - free_mib + 300).max(base_mib) << 20);
+    let size_mib = (base_mib - free_mib + 300).max(base_mib);
+    assert_eq!(size, size_mib << 20);
+    let stem = images[0].file_stem().unwrap().to_str().unwrap();
+    let grown = images[0].with_file_name(format!("{stem}-{size_mib}m.ext4"));
+    assert_eq!(images[1], grown);
+    assert_eq!(fs::metadata(&grown).unwrap().len(), size_mib << 20);
+    assert_eq!(
+        root["inserted"]["image"]["backing-image"]["filename"].as_str(),
+        grown.to_str(),
+        "the overlay is over the grown copy: {root}"
+    );
+    // Nothing is left for the guest to grow: the kernel command line does not ask it to.
+    let launch = fs::read_to_string(state.join("launch.json")).unwrap();
+    assert!(!launch.contains("space.disk=1"), "{launch}");
     // Status has a monitor of its own: it answers while the main one is busy.
     let t = Instant::now();
     assert_eq!(rt.status(id).await.unwrap(), RuntimeStatus::Running);
@@ -388,7 +404,7 @@ async fn disk_quota_is_the_device_size_and_a_killed_vm_is_stopped() {
         "status waited for QMP"
     );
     drop(qmp);
-    // The guest grows its filesystem to the device once booted; its agent says hello after.
+    // The agent says hello once the guest has booted.
     let (_conn, hello) = accept_hello(&vm).await;
     assert_eq!(hello["sandbox_id"], id);
 

@@ -108,7 +108,7 @@ impl MicrovmRuntime {
             hostname: "build".into(),
             network: None,
         };
-        self.boot(&spec, &image).await?;
+        self.boot(&spec, &image, false).await?;
         let conn = space_agent_host::wait_connected(&mut rx, CONNECT_TIMEOUT)
             .await
             .map_err(|_| RuntimeError::Tool {
