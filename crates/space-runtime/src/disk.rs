@@ -105,12 +105,21 @@ async fn empty_format(formats: &Path, bytes: u64) -> Result<PathBuf, RuntimeErro
 /// Copies `src` to a new file `dst` (written beside it, then renamed), holes kept as holes:
 /// only the extents that hold data are read and written, by the kernel.
 pub(crate) fn copy_sparse(src: &Path, dst: &Path) -> std::io::Result<()> {
+    let tmp = dst.with_extension("img.tmp");
+    let copied = copy_extents(src, &tmp).and_then(|()| std::fs::rename(&tmp, dst));
+    if copied.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    copied
+}
+
+/// The data extents of `src` copied into a new file `tmp` of the same length, holes kept.
+fn copy_extents(src: &Path, tmp: &Path) -> std::io::Result<()> {
     use std::os::fd::AsRawFd;
 
     let from = std::fs::File::open(src)?;
     let len = from.metadata()?.len();
-    let tmp = dst.with_extension("img.tmp");
-    let to = std::fs::File::create(&tmp)?;
+    let to = std::fs::File::create(tmp)?;
     to.set_len(len)?;
     let seek = |whence, at: u64| -> std::io::Result<Option<u64>> {
         let at = i64::try_from(at).map_err(std::io::Error::other)?;
@@ -163,8 +172,7 @@ pub(crate) fn copy_sparse(src: &Path, dst: &Path) -> std::io::Result<()> {
         }
         at = end;
     }
-    drop(to);
-    std::fs::rename(&tmp, dst)
+    Ok(())
 }
 
 /// Unmounts `mount_point` if it is mounted (lazily when it is busy).

@@ -27,15 +27,46 @@ pub async fn rootfs_image(images_dir: &Path, rootfs: &Path) -> Result<PathBuf, R
     if image.is_file() {
         return Ok(image);
     }
-    let _lock = lock(&images_dir.join(format!(".rootfs-{key}.lock"))).await?;
-    if image.is_file() {
-        return Ok(image);
+    let lock_path = images_dir.join(format!(".rootfs-{key}.lock"));
+    let made = made_once(&image, &lock_path, |tmp| async move {
+        make_image(rootfs, &tmp).await
+    })
+    .await?;
+    if let Some(mib) = made {
+        tracing::info!(image = %image.display(), rootfs = %rootfs.display(), mib, "made a template disk image");
     }
-    let tmp = temp_path(&image);
-    let mib = make_image(rootfs, &tmp).await?;
-    finish(&tmp, &image)?;
-    tracing::info!(image = %image.display(), rootfs = %rootfs.display(), mib, "made a template disk image");
     Ok(image)
+}
+
+/// Makes `path` once: unless it exists, `make` writes a temporary file under the lock at
+/// `lock_path` (so concurrent callers make it once), which is then fsynced and renamed to
+/// `path`, or removed when `make` fails. What `make` returned, when this call made it.
+async fn made_once<T, F>(
+    path: &Path,
+    lock_path: &Path,
+    make: impl FnOnce(PathBuf) -> F,
+) -> Result<Option<T>, RuntimeError>
+where
+    F: std::future::Future<Output = Result<T, RuntimeError>>,
+{
+    if path.is_file() {
+        return Ok(None);
+    }
+    let _lock = lock(lock_path).await?;
+    if path.is_file() {
+        return Ok(None);
+    }
+    let tmp = temp_path(path);
+    match make(tmp.clone()).await {
+        Ok(made) => {
+            finish(&tmp, path)?;
+            Ok(Some(made))
+        }
+        Err(e) => {
+            let _ = std::fs::remove_file(&tmp);
+            Err(e)
+        }
+    }
 }
 
 /// `image` grown to `size_mib` MiB: a sparse copy whose ext4 the host's `resize2fs` has grown
@@ -56,22 +87,18 @@ pub async fn grown_image(image: &Path, size_mib: u64) -> Result<PathBuf, Runtime
         )
     })?;
     let grown = image.with_file_name(format!("{stem}-{size_mib}m.ext4"));
-    if grown.is_file() {
-        return Ok(grown);
-    }
-    let _lock = lock(&image.with_file_name(format!(".{stem}-{size_mib}m.lock"))).await?;
-    if grown.is_file() {
-        return Ok(grown);
-    }
-    let tmp = temp_path(&grown);
-    let made = async {
-        let (from, to) = (image.to_path_buf(), tmp.clone());
-        tokio::task::spawn_blocking(move || {
-            crate::disk::copy_sparse(&from, &to)?;
-            std::fs::OpenOptions::new()
-                .write(true)
-                .open(&to)?
-                .set_len(size_mib << 20)
+    let lock_path = image.with_file_name(format!(".{stem}-{size_mib}m.lock"));
+    let made = made_once(&grown, &lock_path, |tmp| async move {
+        let from = image.to_path_buf();
+        tokio::task::spawn_blocking({
+            let tmp = tmp.clone();
+            move || {
+                crate::disk::copy_sparse(&from, &tmp)?;
+                std::fs::OpenOptions::new()
+                    .write(true)
+                    .open(&tmp)?
+                    .set_len(size_mib << 20)
+            }
         })
         .await
         .map_err(std::io::Error::other)
@@ -79,15 +106,12 @@ pub async fn grown_image(image: &Path, size_mib: u64) -> Result<PathBuf, Runtime
         .map_err(|e| RuntimeError::io(format!("copying {}", image.display()), e))?;
         // The copy was never mounted: resize2fs may grow it without a check first.
         run_tool("resize2fs", Command::new("resize2fs").arg("-f").arg(&tmp)).await?;
-        Ok::<_, RuntimeError>(())
+        Ok(())
+    })
+    .await?;
+    if made.is_some() {
+        tracing::info!(image = %grown.display(), size_mib, "grew a template disk image");
     }
-    .await;
-    if let Err(e) = made {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(e);
-    }
-    finish(&tmp, &grown)?;
-    tracing::info!(image = %grown.display(), size_mib, "grew a template disk image");
     Ok(grown)
 }
 
