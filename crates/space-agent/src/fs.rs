@@ -1372,8 +1372,8 @@ impl<W: Write> Write for Poison<W> {
     }
 }
 
-/// Copies `from` to `to`, at most `limit` bytes (more is [`FsError::TooLarge`]).
-/// Copies `from` into `to` through a buffer of `chunk` bytes; more than `limit` fails.
+/// Copies `from` to `to` through a buffer of `chunk` bytes, at most `limit` bytes (more is
+/// [`FsError::TooLarge`]).
 fn copy_all(
     mut from: impl Read,
     to: &mut File,

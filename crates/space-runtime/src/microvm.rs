@@ -442,9 +442,8 @@ impl MicrovmRuntime {
         }
     }
 
-    /// The QEMU argument list of a sandbox.
-    /// QEMU's command line for `spec`; with `grow_disk` the guest grows its root filesystem
-    /// to the disk's size as it boots.
+    /// The QEMU argument list of a sandbox; with `grow_disk` the guest grows its root
+    /// filesystem to the disk's size as it boots.
     fn qemu_args(
         &self,
         spec: &SandboxSpec,
@@ -643,8 +642,9 @@ impl MicrovmRuntime {
         // A new disk over a shared image is an overlay of that image already grown to the
         // quota's size, so the guest has nothing to grow. An existing disk (made by an earlier
         // server) and a private image still need the guest's resize2fs.
-        let mut grow_in_guest = !shared_base || disk.exists();
-        if !disk.exists() {
+        let grow_in_guest = if disk.exists() {
+            true
+        } else {
             // What the guest can write is the image's own free space plus the growth, so the
             // growth makes up the rest of the quota.
             let free_mib = image::ext4_free_mib(base).await.unwrap_or(0);
@@ -656,8 +656,8 @@ impl MicrovmRuntime {
             };
             check_qemu_path(&backing)?;
             image::overlay(&self.cfg.qemu_img, &backing, &disk, size_mib).await?;
-            grow_in_guest |= backing == base;
-        }
+            backing == base
+        };
         let args = self.qemu_args(spec, &initramfs, grow_in_guest)?;
         // An egress sandbox: a tap of its own on the host, a virtio-net NIC in the guest,
         // and its address on the kernel command line (the guest's /init configures it).

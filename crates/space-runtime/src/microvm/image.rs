@@ -428,7 +428,7 @@ mod tests {
         assert_eq!(
             names,
             [
-                "rootfs-test-".to_string() + &format!("{size_mib}m.ext4"),
+                format!("rootfs-test-{size_mib}m.ext4"),
                 "rootfs-test.ext4".into(),
                 "tree".into()
             ]
