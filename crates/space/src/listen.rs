@@ -10,12 +10,18 @@
 //!   connections; past it a new connection gets a fixed `429` and is closed at
 //!   once, without reading anything.
 //! - Accept errors (out of file descriptors) back off instead of spinning.
+//! - A response given without reading the request's body to its end (a 401, a 404, a
+//!   413 from the declared length) says `Connection: close`. hyper closes such a
+//!   connection anyway once the unread body is not already buffered; without the header
+//!   a keep-alive client sends its next request on a connection about to close and
+//!   gets no answer at all.
 
 use std::collections::HashMap;
 use std::convert::Infallible;
 use std::future::Future;
 use std::net::IpAddr;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -166,9 +172,20 @@ pub async fn serve(
         tracker.spawn(async move {
             let _held = held;
             let service = hyper::service::service_fn(move |req: http::Request<Incoming>| {
-                let req = req.map(|b| Body::new(IdleTimeout::new(b, idle)));
+                let unread = Arc::new(AtomicBool::new(false));
+                let req =
+                    req.map(|b| Body::new(Unread::new(IdleTimeout::new(b, idle), unread.clone())));
                 let app = app.clone();
-                async move { Ok::<_, Infallible>(app.oneshot(req).await.unwrap_or_else(|e| match e {})) }
+                async move {
+                    let mut resp = app.oneshot(req).await.unwrap_or_else(|e| match e {});
+                    if unread.load(Ordering::Acquire) {
+                        resp.headers_mut().insert(
+                            http::header::CONNECTION,
+                            http::HeaderValue::from_static("close"),
+                        );
+                    }
+                    Ok::<_, Infallible>(resp)
+                }
             });
             let _ = builder
                 .serve_connection(TokioIo::new(stream), service)
@@ -247,6 +264,57 @@ where
     }
 }
 
+/// A request body that, dropped before its end, raises `flag`. Only a dropped body
+/// counts: one still read by a streaming handler after its response is under way is
+/// not abandoned.
+struct Unread<B: http_body::Body> {
+    inner: B,
+    ended: bool,
+    flag: Arc<AtomicBool>,
+}
+
+impl<B: http_body::Body> Unread<B> {
+    fn new(inner: B, flag: Arc<AtomicBool>) -> Unread<B> {
+        let ended = inner.is_end_stream();
+        Unread { inner, ended, flag }
+    }
+}
+
+impl<B: http_body::Body> Drop for Unread<B> {
+    fn drop(&mut self) {
+        if !self.ended && !self.inner.is_end_stream() {
+            self.flag.store(true, Ordering::Release);
+        }
+    }
+}
+
+impl<B> http_body::Body for Unread<B>
+where
+    B: http_body::Body + Unpin,
+{
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<B::Data>, B::Error>>> {
+        let frame = Pin::new(&mut self.inner).poll_frame(cx);
+        if let Poll::Ready(None) = frame {
+            self.ended = true;
+        }
+        frame
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
 #[cfg(test)]
 mod idle_tests {
     use super::*;
@@ -294,5 +362,96 @@ mod idle_tests {
         // A client that sends nothing for the limit while the server waits ends the body.
         let e = b.frame().await.unwrap().unwrap_err();
         assert!(e.to_string().contains("stalled"), "{e}");
+    }
+}
+
+#[cfg(test)]
+mod unread_tests {
+    use super::*;
+    use axum::routing::post;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// Serves a route that answers without reading the body and one that reads it.
+    async fn server() -> std::net::SocketAddr {
+        let app = Router::new()
+            .route(
+                "/early",
+                post(|| async { (http::StatusCode::UNAUTHORIZED, "no") }),
+            )
+            .route(
+                "/read",
+                post(|body: Bytes| async move { format!("{}", body.len()) }),
+            );
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(serve(
+            listener,
+            app,
+            Bounds::default(),
+            std::future::pending(),
+        ));
+        addr
+    }
+
+    /// Reads one response head and its `content-length` body off `c`.
+    async fn response(c: &mut tokio::net::TcpStream) -> String {
+        let mut got = Vec::new();
+        let mut byte = [0u8; 1];
+        while !got.ends_with(b"\r\n\r\n") {
+            assert_eq!(c.read(&mut byte).await.unwrap(), 1, "closed mid-head");
+            got.push(byte[0]);
+        }
+        let head = String::from_utf8(got).unwrap().to_ascii_lowercase();
+        let len: usize = head
+            .lines()
+            .find_map(|l| l.strip_prefix("content-length: "))
+            .map_or(0, |v| v.trim().parse().unwrap());
+        let mut body = vec![0u8; len];
+        c.read_exact(&mut body).await.unwrap();
+        head
+    }
+
+    #[tokio::test]
+    async fn a_response_that_leaves_the_body_unread_closes_the_connection() {
+        let addr = server().await;
+        // The head first and the body a moment later, as a client with separate writes
+        // may send them: the answer comes before the body is there.
+        for path in ["/early", "/read"] {
+            let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
+            let head = format!("POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n");
+            c.write_all(head.as_bytes()).await.unwrap();
+            if path == "/early" {
+                let head = response(&mut c).await;
+                assert!(head.starts_with("http/1.1 401"), "{head}");
+                assert!(head.contains("connection: close"), "{head}");
+                let _ = c.write_all(b"{}").await;
+                // The server closes it; nothing more comes.
+                let mut rest = Vec::new();
+                let _ = c.read_to_end(&mut rest).await;
+                assert!(rest.is_empty(), "{}", String::from_utf8_lossy(&rest));
+                continue;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            c.write_all(b"{}").await.unwrap();
+            // A body read to its end keeps the connection for the next request.
+            let head = response(&mut c).await;
+            assert!(head.starts_with("http/1.1 200"), "{head}");
+            assert!(!head.contains("connection: close"), "{head}");
+            c.write_all(b"POST /read HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\n\r\nx")
+                .await
+                .unwrap();
+            let head = response(&mut c).await;
+            assert!(head.starts_with("http/1.1 200"), "{head}");
+        }
+        // No body at all: nothing is left unread, so nothing closes.
+        let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
+        for _ in 0..2 {
+            c.write_all(b"POST /early HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
+                .await
+                .unwrap();
+            let head = response(&mut c).await;
+            assert!(head.starts_with("http/1.1 401"), "{head}");
+            assert!(!head.contains("connection: close"), "{head}");
+        }
     }
 }

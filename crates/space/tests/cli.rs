@@ -247,6 +247,36 @@ fn keys(session: &str, keys: &[&str]) {
     assert!(st.success());
 }
 
+/// The recorded output of the sandbox's `sh` command, escaped: what the terminal was sent,
+/// to tell a drawing quirk from lost bytes when a pane looks wrong.
+async fn printed(s: &TestServer, sb: &str) -> String {
+    let (_, list) = s.get(&format!("/v1/sandboxes/{sb}/commands")).await;
+    let Some(id) = list["commands"].as_array().and_then(|all| {
+        all.iter()
+            .find(|c| c["argv"] == serde_json::json!(["sh"]))
+            .and_then(|c| c["id"].as_str())
+    }) else {
+        return format!("no sh command in {list}");
+    };
+    let (chunks, _) = s.output(sb, id, Default::default()).await;
+    format!("{:?}", text(&common::decode(&chunks, None)))
+}
+
+/// [`pane_shows`], with what the sandbox's terminal printed when it fails.
+async fn shows(s: &TestServer, sb: &str, session: &str, want: &str) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while !pane(session).contains(want) {
+        if std::time::Instant::now() > deadline {
+            panic!(
+                "pane never showed {want:?}:\n{}\n---- what the terminal in the sandbox printed ----\n{}",
+                pane(session),
+                printed(s, sb).await
+            );
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+}
+
 #[tokio::test]
 async fn exec_tty_behaves_like_ssh() {
     let s = TestServer::start().await;
@@ -289,17 +319,15 @@ async fn exec_tty_behaves_like_ssh() {
     keys(&session, &["echo still-here", "Enter"]);
     pane_shows(&session, "still-here\n").await;
     last_line_is(&session, "~ #").await;
-    // Arrow keys: up recalls the last command line in the sandbox's shell.
-    keys(&session, &["echo recalled", "Enter"]);
+    // Arrow keys: up recalls the last command line in the sandbox's shell. The line
+    // prints something new each run, so its second run shows up however busybox redraws.
+    keys(&session, &["n=$((n+1)); echo recall-$n", "Enter"]);
+    shows(&s, &sb, &session, "recall-1\n").await;
     last_line_is(&session, "~ #").await;
     keys(&session, &["Up"]);
-    last_line_is(&session, "~ # echo recalled").await;
+    last_line_is(&session, "~ # n=$((n+1)); echo recall-$n").await;
     keys(&session, &["Enter"]);
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-    while pane(&session).matches("recalled").count() < 4 {
-        assert!(std::time::Instant::now() < deadline, "{}", pane(&session));
-        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-    }
+    shows(&s, &sb, &session, "recall-2\n").await;
     // The window size follows.
     let st = Command::new("tmux")
         .args(["resize-window", "-t", &session, "-x", "120", "-y", "40"])
