@@ -23,6 +23,7 @@ stage templates
 export SPACE_TEST_TEMPLATES="$PWD/target/space-test-templates"
 target/debug/space admin prepare-template busybox --templates-dir "$SPACE_TEST_TEMPLATES" --data-dir /nonexistent
 target/debug/space admin prepare-template debian --templates-dir "$SPACE_TEST_TEMPLATES" --data-dir /nonexistent
+target/debug/space admin prepare-template code-interpreter --templates-dir "$SPACE_TEST_TEMPLATES" --data-dir /nonexistent
 
 # The conformance suite must run on both runtimes here: a runtime that is
 # unavailable fails the run instead of being skipped.

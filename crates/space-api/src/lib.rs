@@ -829,3 +829,42 @@ mod tests {
         assert_eq!(back.signal, Signal::Name("KILL".into()));
     }
 }
+
+/// `POST /v1/sandboxes/{id}/contexts`: a stateful code context in a sandbox of the
+/// `code-interpreter` template.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateContextRequest {
+    /// `python` (a Jupyter kernel; the default) or `bash` (a persistent shell).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub language: Option<String>,
+    /// The context's working directory; the user's home by default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cwd: Option<String>,
+}
+
+/// A code context: variables, imports and the working directory persist from one
+/// execution to the next.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, JsonSchema)]
+pub struct CodeContext {
+    pub id: String,
+    pub language: String,
+    pub cwd: String,
+}
+
+/// `GET /v1/sandboxes/{id}/contexts`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, JsonSchema)]
+pub struct ContextList {
+    pub contexts: Vec<CodeContext>,
+}
+
+/// `POST /v1/sandboxes/{id}/contexts/{ctx}/execute`: answered with an NDJSON stream of
+/// `stdout`, `stderr`, `result`, `error` and a final `end` line.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ExecuteRequest {
+    pub code: String,
+    /// Past it the kernel is interrupted (the context stays usable); 300 by default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_seconds: Option<u64>,
+}

@@ -91,7 +91,7 @@ impl<'a> TenantService<'a> {
     }
 
     /// The caller's sandbox `id`, or the one 404 for unknown, foreign and malformed ids.
-    fn sandbox(&self, id: &str) -> Result<SandboxRecord> {
+    pub(super) fn sandbox(&self, id: &str) -> Result<SandboxRecord> {
         if !space_core::is_valid_id(id, "sb") {
             return Err(no_sandbox(id));
         }

@@ -5,6 +5,7 @@
 mod auth;
 mod commands;
 pub(crate) use commands::parse_signal;
+mod contexts;
 mod events;
 mod files;
 mod openapi;
@@ -72,6 +73,22 @@ pub fn router(state: AppState, extra: Router<AppState>) -> Router {
             get(files::download)
                 .put(files::upload)
                 .delete(files::remove),
+        )
+        .route(
+            "/sandboxes/:id/contexts",
+            post(contexts::create).get(contexts::list),
+        )
+        .route(
+            "/sandboxes/:id/contexts/:ctx",
+            axum::routing::delete(contexts::delete),
+        )
+        .route(
+            "/sandboxes/:id/contexts/:ctx/restart",
+            post(contexts::restart),
+        )
+        .route(
+            "/sandboxes/:id/contexts/:ctx/execute",
+            post(contexts::execute),
         )
         .route("/sandboxes/:id/files/list", get(files::list))
         .route("/sandboxes/:id/files/stat", get(files::stat))

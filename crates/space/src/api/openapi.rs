@@ -100,6 +100,11 @@ const ROUTES: &[Route] = &[
     Route { method: "get", path: "/v1/sandboxes/:id/files", operation_id: "downloadFile", tag: "files", summary: "Download a file (raw) or a directory (`format=tar`)", query: &["path", "format"], body: Body::None, ok: Ok::Media(200, "application/octet-stream"), errors: FILES, auth: true },
     Route { method: "put", path: "/v1/sandboxes/:id/files", operation_id: "uploadFile", tag: "files", summary: "Upload a file (raw body) or unpack a tar (`format=tar`, `gzip=true`)", query: &["path", "format", "gzip", "mode", "uid", "gid", "parents"], body: Body::Octets, ok: Ok::Json(201, file_result), errors: &[400, 404, 409, 413, 429, 502, 503, 507], auth: true },
     Route { method: "delete", path: "/v1/sandboxes/:id/files", operation_id: "removeFile", tag: "files", summary: "Remove a file or (with `recursive=true`) a directory tree", query: &["path", "recursive"], body: Body::None, ok: Ok::Json(200, file_result), errors: FILES, auth: true },
+    Route { method: "post", path: "/v1/sandboxes/:id/contexts", operation_id: "createContext", tag: "contexts", summary: "Start a code context (a Python kernel or a bash) in a code-interpreter sandbox", query: &[], body: Body::Json(s::<space_api::CreateContextRequest>), ok: Ok::Json(201, s::<space_api::CodeContext>), errors: &[400, 404, 409, 413, 429], auth: true },
+    Route { method: "get", path: "/v1/sandboxes/:id/contexts", operation_id: "listContexts", tag: "contexts", summary: "List a sandbox's code contexts", query: &[], body: Body::None, ok: Ok::Json(200, s::<space_api::ContextList>), errors: &[404, 409, 429], auth: true },
+    Route { method: "delete", path: "/v1/sandboxes/:id/contexts/:ctx", operation_id: "deleteContext", tag: "contexts", summary: "Stop a code context", query: &[], body: Body::None, ok: Ok::Json(200, s::<space_api::CodeContext>), errors: &[404, 409, 429], auth: true },
+    Route { method: "post", path: "/v1/sandboxes/:id/contexts/:ctx/restart", operation_id: "restartContext", tag: "contexts", summary: "Restart a code context's kernel (its state is lost)", query: &[], body: Body::None, ok: Ok::Json(200, s::<space_api::CodeContext>), errors: &[404, 409, 429], auth: true },
+    Route { method: "post", path: "/v1/sandboxes/:id/contexts/:ctx/execute", operation_id: "executeCode", tag: "contexts", summary: "Run code in a context: NDJSON of `stdout`, `stderr`, `result` (a MIME bundle), `error`, then `end` with the recording command's id", query: &[], body: Body::Json(s::<space_api::ExecuteRequest>), ok: Ok::Media(200, "application/x-ndjson"), errors: &[400, 404, 409, 413, 429], auth: true },
     Route { method: "get", path: "/v1/sandboxes/:id/files/list", operation_id: "listFiles", tag: "files", summary: "List a directory", query: &["path", "depth"], body: Body::None, ok: Ok::Json(200, file_result), errors: FILES, auth: true },
     Route { method: "get", path: "/v1/sandboxes/:id/files/stat", operation_id: "statFile", tag: "files", summary: "Stat a path", query: &["path"], body: Body::None, ok: Ok::Json(200, file_result), errors: FILES, auth: true },
     Route { method: "post", path: "/v1/sandboxes/:id/files/mkdir", operation_id: "mkdir", tag: "files", summary: "Create a directory and its parents", query: &[], body: Body::Json(mkdir_request), ok: Ok::Json(201, file_result), errors: &[400, 404, 409, 413, 502, 503, 507], auth: true },
@@ -133,6 +138,10 @@ fn path_param(name: &str, path: &str) -> Value {
         ),
         "id" => (id_schema("sb"), "Sandbox id"),
         "cid" => (id_schema("cmd"), "Command id"),
+        "ctx" => (
+            json!({"type": "string", "pattern": "^ctx_[0-9a-f]{16}$"}),
+            "Code context id",
+        ),
         "name" => (
             json!({"type": "string", "minLength": 1, "maxLength": 255}),
             "Template name",

@@ -1,0 +1,473 @@
+//! Code contexts: stateful Python (Jupyter) and bash sessions in a sandbox of the
+//! `code-interpreter` template, for every front door.
+//!
+//! The execution service inside the sandbox ([`INTERPRETER_PATH`] `serve`) owns the
+//! contexts. Each request here is an ordinary command of the tenant's,
+//! `python3 … call`, that sends one JSON request to the service and prints its NDJSON
+//! events: so an execution is admitted, limited, recorded and replayable like any
+//! command, and its output never bypasses the sandbox's output quota. The service is
+//! started on first use as a command of its own.
+//!
+//! Everything the service prints is untrusted: each line is parsed with a bound on its
+//! size, and only JSON objects with a string `type` go on.
+
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use serde_json::{json, Value};
+use space_api::{
+    ApiError, CodeContext, Command, CreateCommandRequest, CreateContextRequest, ErrorCode,
+    ExecuteRequest,
+};
+use space_runtime::template::INTERPRETER_PATH;
+use tokio::sync::mpsc;
+
+use super::output::View;
+use super::scope::{TenantService, MAX_STDIN_WRITE};
+use super::{CommandOutputQuery, OutputEvent, Result, ServiceError};
+
+/// Largest cell: the request travels as the client's stdin, one write.
+pub const MAX_CODE_BYTES: usize = MAX_STDIN_WRITE - 4096;
+/// An execution's timeout when the request names none.
+pub const DEFAULT_EXECUTE_TIMEOUT: u64 = 300;
+/// The longest timeout an execution may ask for.
+pub const MAX_EXECUTE_TIMEOUT: u64 = 24 * 3600;
+/// Longest line of events accepted from the sandbox (a chart is a few hundred KiB).
+const MAX_EVENT_LINE: usize = 32 << 20;
+/// What the client exits with when the service is not running.
+const NOT_RUNNING: i32 = 75;
+/// How long a client waits for a service that is starting (kernels start in seconds).
+const START_WAIT_SECONDS: u64 = 60;
+/// Time a context request (create, restart) may take beyond its own work.
+const REQUEST_SLACK_SECONDS: u64 = 120;
+
+/// One execution under way: the command that records it, and its events.
+pub struct Execution {
+    pub command_id: String,
+    pub events: mpsc::Receiver<Value>,
+}
+
+fn no_interpreter() -> ServiceError {
+    ServiceError::Conflict(
+        "this sandbox has no code interpreter: create it from the code-interpreter template".into(),
+    )
+}
+
+/// A `failed` event as the error it names.
+fn failed(event: &Value) -> ServiceError {
+    let message = event["message"]
+        .as_str()
+        .map(|m| super::truncate(m, 500).to_string())
+        .unwrap_or_else(|| "the code interpreter failed".into());
+    match event["code"].as_str() {
+        Some("not_found") => ServiceError::NotFound(message),
+        Some("invalid_request") => ServiceError::BadRequest(message),
+        _ => ServiceError::Internal(format!("code interpreter: {message}")),
+    }
+}
+
+fn validate_context_id(ctx: &str) -> Result<()> {
+    let ok = ctx.len() > 4
+        && ctx.len() <= 64
+        && ctx.starts_with("ctx_")
+        && ctx[4..].bytes().all(|b| b.is_ascii_alphanumeric());
+    match ok {
+        true => Ok(()),
+        false => Err(ServiceError::NotFound(format!(
+            "no context {}",
+            super::truncate(ctx, 64)
+        ))),
+    }
+}
+
+/// Splits a command's stdout into event lines; bounded.
+#[derive(Default)]
+struct Lines {
+    buf: BytesMut,
+    /// Dropping the rest of a line that was too long.
+    skipping: bool,
+}
+
+impl Lines {
+    /// The complete events in `data`; an over-long line becomes an `error` event.
+    fn push(&mut self, data: &[u8], out: &mut Vec<Value>) {
+        for piece in data.split_inclusive(|b| *b == b'\n') {
+            let whole = piece.ends_with(b"\n");
+            if self.skipping {
+                self.skipping = !whole;
+                continue;
+            }
+            if self.buf.len() + piece.len() > MAX_EVENT_LINE {
+                self.buf.clear();
+                self.skipping = !whole;
+                out.push(json!({
+                    "type": "error",
+                    "name": "OutputTooLarge",
+                    "value": format!("an output of more than {MAX_EVENT_LINE} bytes was dropped"),
+                    "traceback": "",
+                }));
+                continue;
+            }
+            self.buf.extend_from_slice(piece);
+            if whole {
+                let line = self.buf.split();
+                if let Ok(v) = serde_json::from_slice::<Value>(&line) {
+                    if v.is_object() && v["type"].is_string() {
+                        out.push(v);
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl TenantService<'_> {
+    /// Runs one request through the sandbox's execution service, starting it if it is
+    /// not running. Returns the command and the events as they come; the channel ends
+    /// with the command.
+    async fn interpreter_call(
+        &self,
+        id: &str,
+        request: &Value,
+        timeout: u64,
+    ) -> Result<(Command, mpsc::Receiver<Value>)> {
+        let body = Bytes::from(request.to_string());
+        let (cmd, mut events) = self.interpreter_try(id, &body, timeout, 0).await?;
+        let first = events.recv().await;
+        if let Some(ev) = &first {
+            if ev["type"] == "__exit" && ev["exit_code"] == NOT_RUNNING {
+                self.start_interpreter(id).await?;
+                return self
+                    .interpreter_try(id, &body, timeout, START_WAIT_SECONDS)
+                    .await;
+            }
+        }
+        // Put back what was read to look.
+        let (tx, rx) = mpsc::channel(64);
+        tokio::spawn(async move {
+            if let Some(ev) = first {
+                if tx.send(ev).await.is_err() {
+                    return;
+                }
+            }
+            while let Some(ev) = events.recv().await {
+                if tx.send(ev).await.is_err() {
+                    return;
+                }
+            }
+        });
+        Ok((cmd, rx))
+    }
+
+    /// Starts the execution service as a command of its own (a second one exits at
+    /// once: the service holds a lock).
+    async fn start_interpreter(&self, id: &str) -> Result<()> {
+        let req = CreateCommandRequest {
+            argv: Some(vec![
+                "python3".into(),
+                INTERPRETER_PATH.into(),
+                "serve".into(),
+            ]),
+            ..Default::default()
+        };
+        let cmd = self.create_command(id, req).await?;
+        if cmd
+            .result
+            .as_ref()
+            .is_some_and(|r| matches!(r.exit_code, Some(126 | 127)))
+        {
+            return Err(no_interpreter());
+        }
+        Ok(())
+    }
+
+    /// One client command: `wait` is how long it waits for the service's socket. The
+    /// channel carries the events, then `{"type": "__exit", "exit_code"}` (ours).
+    async fn interpreter_try(
+        &self,
+        id: &str,
+        body: &Bytes,
+        timeout: u64,
+        wait: u64,
+    ) -> Result<(Command, mpsc::Receiver<Value>)> {
+        let req = CreateCommandRequest {
+            argv: Some(vec![
+                "python3".into(),
+                "-I".into(),
+                "-S".into(),
+                INTERPRETER_PATH.into(),
+                "call".into(),
+                wait.to_string(),
+            ]),
+            stdin: Some(true),
+            timeout_seconds: Some(timeout.saturating_add(wait + REQUEST_SLACK_SECONDS)),
+            ..Default::default()
+        };
+        let cmd = self.create_command(id, req).await?;
+        if let Err(e) = self.write_stdin(id, &cmd.id, body.clone(), true).await {
+            // A client that could not start has ended already.
+            let ended = self
+                .get_command(id, &cmd.id, Duration::from_secs(5))
+                .await?;
+            let code = ended.result.and_then(|r| r.exit_code);
+            return Err(match code {
+                Some(126 | 127) => no_interpreter(),
+                _ => e,
+            });
+        }
+        let q = CommandOutputQuery {
+            offset: 0,
+            follow: true,
+            view: View::Stdout,
+        };
+        let mut output = self.command_output(id, &cmd.id, q)?;
+        let (tx, rx) = mpsc::channel(64);
+        tokio::spawn(async move {
+            let mut lines = Lines::default();
+            let mut out = Vec::new();
+            while let Some(item) = output.recv().await {
+                match item {
+                    OutputEvent::Chunk { data, .. } => {
+                        lines.push(&data, &mut out);
+                        for ev in out.drain(..) {
+                            if tx.send(ev).await.is_err() {
+                                return;
+                            }
+                        }
+                    }
+                    OutputEvent::End(cmd) => {
+                        let r = cmd.result.unwrap_or_default();
+                        let _ = tx
+                            .send(json!({
+                                "type": "__exit",
+                                "exit_code": r.exit_code,
+                                "timed_out": r.timed_out,
+                                "state": cmd.state,
+                            }))
+                            .await;
+                        return;
+                    }
+                }
+            }
+        });
+        Ok((cmd, rx))
+    }
+
+    /// A request whose answer is one event of type `want`.
+    async fn interpreter_answer(&self, id: &str, request: Value, want: &str) -> Result<Value> {
+        let (_, mut events) = self
+            .interpreter_call(id, &request, REQUEST_SLACK_SECONDS)
+            .await?;
+        while let Some(ev) = events.recv().await {
+            match ev["type"].as_str() {
+                Some(t) if t == want => return Ok(ev),
+                Some("failed") => return Err(failed(&ev)),
+                Some("__exit") if missing(&ev) => return Err(no_interpreter()),
+                Some("__exit") => break,
+                _ => {}
+            }
+        }
+        Err(ServiceError::Internal(
+            "the code interpreter ended without an answer".into(),
+        ))
+    }
+
+    /// `POST /v1/sandboxes/{id}/contexts`.
+    pub async fn create_context(&self, id: &str, req: CreateContextRequest) -> Result<CodeContext> {
+        self.sandbox(id)?;
+        let language = req.language.unwrap_or_else(|| "python".into());
+        if !matches!(language.as_str(), "python" | "bash") {
+            return Err(ServiceError::BadRequest(format!(
+                "language must be python or bash, not {:?}",
+                super::truncate(&language, 64)
+            )));
+        }
+        if let Some(cwd) = &req.cwd {
+            if !cwd.starts_with('/') || cwd.len() > 4096 || cwd.contains('\0') {
+                return Err(ServiceError::BadRequest(
+                    "cwd must be an absolute path".into(),
+                ));
+            }
+        }
+        let ev = self
+            .interpreter_answer(
+                id,
+                json!({"op": "create", "language": language, "cwd": req.cwd}),
+                "context",
+            )
+            .await?;
+        context_of(&ev)
+    }
+
+    /// `GET /v1/sandboxes/{id}/contexts`.
+    pub async fn list_contexts(&self, id: &str) -> Result<Vec<CodeContext>> {
+        self.sandbox(id)?;
+        let ev = self
+            .interpreter_answer(id, json!({"op": "list"}), "contexts")
+            .await?;
+        ev["contexts"]
+            .as_array()
+            .map(|all| all.iter().map(context_of).collect())
+            .unwrap_or_else(|| Ok(Vec::new()))
+    }
+
+    /// `DELETE /v1/sandboxes/{id}/contexts/{ctx}`: its kernel stops.
+    pub async fn delete_context(&self, id: &str, ctx: &str) -> Result<CodeContext> {
+        self.sandbox(id)?;
+        validate_context_id(ctx)?;
+        let ev = self
+            .interpreter_answer(id, json!({"op": "delete", "id": ctx}), "context")
+            .await?;
+        context_of(&ev)
+    }
+
+    /// `POST /v1/sandboxes/{id}/contexts/{ctx}/restart`: a fresh kernel, its state gone.
+    pub async fn restart_context(&self, id: &str, ctx: &str) -> Result<CodeContext> {
+        self.sandbox(id)?;
+        validate_context_id(ctx)?;
+        let ev = self
+            .interpreter_answer(id, json!({"op": "restart", "id": ctx}), "context")
+            .await?;
+        context_of(&ev)
+    }
+
+    /// `POST /v1/sandboxes/{id}/contexts/{ctx}/execute`: the events as they come. An
+    /// unknown context is a 404 before anything streams. The final `end` names the
+    /// command that recorded the execution.
+    pub async fn execute(&self, id: &str, ctx: &str, req: ExecuteRequest) -> Result<Execution> {
+        self.sandbox(id)?;
+        validate_context_id(ctx)?;
+        if req.code.len() > MAX_CODE_BYTES {
+            return Err(ServiceError::Api(ApiError::new(
+                ErrorCode::BodyTooLarge,
+                format!("code is limited to {MAX_CODE_BYTES} bytes"),
+            )));
+        }
+        let timeout = req.timeout_seconds.unwrap_or(DEFAULT_EXECUTE_TIMEOUT);
+        if timeout == 0 || timeout > MAX_EXECUTE_TIMEOUT {
+            return Err(ServiceError::BadRequest(format!(
+                "timeout_seconds must be 1 to {MAX_EXECUTE_TIMEOUT}"
+            )));
+        }
+        let request = json!({"op": "execute", "id": ctx, "code": req.code, "timeout": timeout});
+        let (cmd, mut events) = self.interpreter_call(id, &request, timeout).await?;
+        let first = events.recv().await;
+        match first.as_ref().and_then(|ev| ev["type"].as_str()) {
+            Some("failed") => return Err(failed(first.as_ref().unwrap_or(&Value::Null))),
+            Some("__exit") if first.as_ref().is_some_and(missing) => return Err(no_interpreter()),
+            _ => {}
+        }
+        let (tx, rx) = mpsc::channel(64);
+        let command_id = cmd.id.clone();
+        let started = std::time::Instant::now();
+        tokio::spawn(async move {
+            let mut next = first;
+            while let Some(mut ev) = next {
+                match ev["type"].as_str() {
+                    Some("end") => {
+                        ev["command_id"] = json!(command_id);
+                        let _ = tx.send(ev).await;
+                        return;
+                    }
+                    Some("__exit") => {
+                        // The command ended without the service's `end`: a timeout of
+                        // the command itself, a kill, or the sandbox went away.
+                        let why = match ev["timed_out"].as_bool() {
+                            Some(true) => "the execution's command ran past its timeout",
+                            _ => "the execution ended before the code interpreter finished it",
+                        };
+                        let lost = json!({"type": "error", "name": "ExecutionLost",
+                            "value": why, "traceback": ""});
+                        let end = json!({"type": "end", "execution_count": null,
+                            "duration_ms": started.elapsed().as_millis() as u64,
+                            "command_id": command_id});
+                        let _ = tx.send(lost).await;
+                        let _ = tx.send(end).await;
+                        return;
+                    }
+                    Some("failed") => {
+                        let err = json!({"type": "error", "name": "InterpreterError",
+                            "value": ev["message"], "traceback": ""});
+                        if tx.send(err).await.is_err() {
+                            return;
+                        }
+                    }
+                    _ => {
+                        if tx.send(ev).await.is_err() {
+                            return;
+                        }
+                    }
+                }
+                next = events.recv().await;
+            }
+        });
+        Ok(Execution {
+            command_id: cmd.id,
+            events: rx,
+        })
+    }
+}
+
+/// Whether a client's exit says the sandbox has no interpreter: no `python3` (127, 126)
+/// or no service file (Python's 2).
+fn missing(exit: &Value) -> bool {
+    matches!(exit["exit_code"].as_i64(), Some(2 | 126 | 127))
+}
+
+fn context_of(ev: &Value) -> Result<CodeContext> {
+    let field = |k: &str| {
+        ev[k]
+            .as_str()
+            .map(|s| super::truncate(s, 4096).to_string())
+            .ok_or_else(|| {
+                ServiceError::Internal(format!("code interpreter: a context without {k}"))
+            })
+    };
+    Ok(CodeContext {
+        id: field("id")?,
+        language: field("language")?,
+        cwd: field("cwd")?,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn event_lines_are_bounded_and_only_objects_with_a_type_pass() {
+        let mut lines = Lines::default();
+        let mut out = Vec::new();
+        lines.push(b"{\"type\":\"stdout\",\"te", &mut out);
+        assert!(out.is_empty());
+        lines.push(
+            b"xt\":\"a\"}\nnot json\n[1]\n{\"no\":1}\n{\"type\":\"end\"}\n",
+            &mut out,
+        );
+        assert_eq!(out.len(), 2, "{out:?}");
+        assert_eq!(out[0]["text"], "a");
+        assert_eq!(out[1]["type"], "end");
+        out.clear();
+        let big = vec![b'x'; MAX_EVENT_LINE + 1];
+        lines.push(&big, &mut out);
+        lines.push(b"still the long line\n{\"type\":\"end\"}\n", &mut out);
+        assert_eq!(out.len(), 2, "{out:?}");
+        assert_eq!(out[0]["name"], "OutputTooLarge");
+        assert_eq!(out[1]["type"], "end");
+    }
+
+    #[test]
+    fn context_ids_are_checked_before_they_reach_a_sandbox() {
+        assert!(validate_context_id("ctx_0123abcd").is_ok());
+        for bad in [
+            "",
+            "ctx_",
+            "../x",
+            "ctx_a/b",
+            "ctx_a\"}",
+            &"ctx_a".repeat(20),
+        ] {
+            assert!(validate_context_id(bad).is_err(), "{bad}");
+        }
+    }
+}
