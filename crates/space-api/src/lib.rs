@@ -867,4 +867,7 @@ pub struct ExecuteRequest {
     /// Past it the kernel is interrupted (the context stays usable); 300 by default.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub timeout_seconds: Option<u64>,
+    /// Environment variables for this execution only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub env: Option<BTreeMap<String, String>>,
 }

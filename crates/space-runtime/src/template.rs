@@ -59,8 +59,10 @@ const HOST_BUSYBOX: &str = "/bin/busybox";
 const DEBIAN_SUITE: &str = "bookworm";
 const DEBIAN_MIRROR: &str = "http://deb.debian.org/debian";
 const DEBIAN_PACKAGES: &str = "bash,python3,coreutils,procps,git,curl,ca-certificates";
-/// The built-in template with Jupyter kernels and the execution service
-/// ([`INTERPRETER_PATH`]); `debian` plus [`CODE_INTERPRETER_PACKAGES`].
+/// The built-in template for code contexts: `debian` plus Jupyter's kernel, numpy,
+/// pandas and matplotlib ([`CODE_INTERPRETER_PACKAGES`]). The execution service itself
+/// comes from the server with each call (`space_service::interpreter`), so it always
+/// matches the server, in this template or any other with the same packages.
 pub const CODE_INTERPRETER: &str = "code-interpreter";
 /// Debian's packages for Python kernels, tables and charts.
 const CODE_INTERPRETER_PACKAGES: [&str; 5] = [
@@ -70,10 +72,6 @@ const CODE_INTERPRETER_PACKAGES: [&str; 5] = [
     "python3-pandas",
     "python3-matplotlib",
 ];
-/// Where the execution service lives in a `code-interpreter` sandbox.
-pub const INTERPRETER_PATH: &str = "/opt/space/interpreter.py";
-/// The execution service: it owns the contexts' kernels (see the file's docstring).
-const INTERPRETER_PY: &str = include_str!("interpreter.py");
 /// An mmdebstrap run that has not finished by then is stuck (usually on the network).
 const DEBIAN_BUILD_TIMEOUT: Duration = Duration::from_secs(20 * 60);
 /// Lines of tool output kept for the error message of a failed build.
@@ -666,13 +664,9 @@ impl TemplateStore {
                     packages.join(",")
                 ));
                 run_mmdebstrap(name, &rootfs, &packages, progress).await?;
-                progress(format!("finishing {name}: the execution service, the user"));
+                progress(format!("finishing {name}: adding user, cleaning caches"));
                 let rootfs = rootfs.clone();
-                blocking(name, move || {
-                    finish_debian(&rootfs)?;
-                    install_interpreter(&rootfs)
-                })
-                .await?;
+                blocking(name, move || finish_debian(&rootfs)).await?;
                 let env = vec![
                     ("PATH".to_owned(), DEFAULT_PATH.to_owned()),
                     ("LANG".to_owned(), "C.UTF-8".to_owned()),
@@ -1297,21 +1291,6 @@ pub(crate) fn finish_debian(rootfs: &Path) -> Result<(), TemplateError> {
         }
     }
     add_mount_points(rootfs)
-}
-
-/// Writes the execution service to [`INTERPRETER_PATH`], root's and read-only.
-fn install_interpreter(rootfs: &Path) -> Result<(), TemplateError> {
-    let dir_path = rootfs.join("opt/space");
-    let dir = Dir::open(rootfs)
-        .and_then(|root| root.ensure_dir(OsStr::new("opt"), 0o755))
-        .and_then(|opt| opt.ensure_dir(OsStr::new("space"), 0o755))
-        .at("create", &dir_path)?;
-    dir.write_file(
-        OsStr::new("interpreter.py"),
-        INTERPRETER_PY.as_bytes(),
-        0o644,
-    )
-    .at("write", &dir_path.join("interpreter.py"))
 }
 
 /// Adds `user` (uid/gid 1000, home /home/user, bash) by editing the account files directly,

@@ -1,12 +1,14 @@
 //! Code contexts: stateful Python (Jupyter) and bash sessions in a sandbox of the
 //! `code-interpreter` template, for every front door.
 //!
-//! The execution service inside the sandbox ([`INTERPRETER_PATH`] `serve`) owns the
-//! contexts. Each request here is an ordinary command of the tenant's,
-//! `python3 … call`, that sends one JSON request to the service and prints its NDJSON
-//! events: so an execution is admitted, limited, recorded and replayable like any
-//! command, and its output never bypasses the sandbox's output quota. The service is
-//! started on first use as a command of its own.
+//! The execution service inside the sandbox (`interpreter.py serve`, beside this file)
+//! owns the contexts. Each request here is an ordinary command of the tenant's,
+//! `python3 -c <interpreter.py> call`, that sends one JSON request to the service and
+//! prints its NDJSON events: so an execution is admitted, limited, recorded and
+//! replayable like any command, and its output never bypasses the sandbox's output
+//! quota. The service is started on first use as a command of its own. Its code comes
+//! from this server with every command, never from the sandbox's files: it always
+//! matches the server, and any template with Debian's `python3-ipykernel` works.
 //!
 //! Everything the service prints is untrusted: each line is parsed with a bound on its
 //! size, and only JSON objects with a string `type` go on.
@@ -19,15 +21,25 @@ use space_api::{
     ApiError, CodeContext, Command, CreateCommandRequest, CreateContextRequest, ErrorCode,
     ExecuteRequest,
 };
-use space_runtime::template::INTERPRETER_PATH;
 use tokio::sync::mpsc;
 
 use super::output::View;
 use super::scope::{TenantService, MAX_STDIN_WRITE};
 use super::{CommandOutputQuery, OutputEvent, Result, ServiceError};
 
-/// Largest cell: the request travels as the client's stdin, one write.
-pub const MAX_CODE_BYTES: usize = MAX_STDIN_WRITE - 4096;
+/// The execution service and its client. Both commands read it from their stdin, so
+/// their argv (what command listings show) stays one line.
+const INTERPRETER_PY: &str = include_str!("interpreter.py");
+/// `python3 -c` of the service: the program is all of stdin.
+const SERVE_BOOT: &str = "import sys; exec(compile(sys.stdin.read(), 'space-interpreter', 'exec'))";
+/// `python3 -c` of a client: stdin is the program, a NUL, then the request.
+const CALL_BOOT: &str = "import sys; _space_program, _, _space_request = \
+     sys.stdin.buffer.read().partition(b'\\0'); \
+     exec(compile(_space_program, 'space-interpreter', 'exec'))";
+
+/// Largest cell: the request travels as the client's stdin, one write, after the
+/// program.
+pub const MAX_CODE_BYTES: usize = MAX_STDIN_WRITE - INTERPRETER_PY.len() - 8192;
 /// An execution's timeout when the request names none.
 pub const DEFAULT_EXECUTE_TIMEOUT: u64 = 300;
 /// The longest timeout an execution may ask for.
@@ -62,6 +74,7 @@ fn failed(event: &Value) -> ServiceError {
     match event["code"].as_str() {
         Some("not_found") => ServiceError::NotFound(message),
         Some("invalid_request") => ServiceError::BadRequest(message),
+        Some("unavailable") => ServiceError::Conflict(message),
         _ => ServiceError::Internal(format!("code interpreter: {message}")),
     }
 }
@@ -131,7 +144,11 @@ impl TenantService<'_> {
         request: &Value,
         timeout: u64,
     ) -> Result<(Command, mpsc::Receiver<Value>)> {
-        let body = Bytes::from(request.to_string());
+        let mut body = Vec::with_capacity(INTERPRETER_PY.len() + 1 + 256);
+        body.extend_from_slice(INTERPRETER_PY.as_bytes());
+        body.push(0);
+        body.extend_from_slice(request.to_string().as_bytes());
+        let body = Bytes::from(body);
         let (cmd, mut events) = self.interpreter_try(id, &body, timeout, 0).await?;
         let first = events.recv().await;
         if let Some(ev) = &first {
@@ -165,18 +182,23 @@ impl TenantService<'_> {
         let req = CreateCommandRequest {
             argv: Some(vec![
                 "python3".into(),
-                INTERPRETER_PATH.into(),
+                "-I".into(),
+                "-c".into(),
+                SERVE_BOOT.into(),
                 "serve".into(),
             ]),
+            stdin: Some(true),
             ..Default::default()
         };
         let cmd = self.create_command(id, req).await?;
-        if cmd
-            .result
-            .as_ref()
-            .is_some_and(|r| matches!(r.exit_code, Some(126 | 127)))
-        {
-            return Err(no_interpreter());
+        let program = Bytes::from_static(INTERPRETER_PY.as_bytes());
+        if self.write_stdin(id, &cmd.id, program, true).await.is_err() {
+            let ended = self
+                .get_command(id, &cmd.id, Duration::from_secs(5))
+                .await?;
+            if let Some(126 | 127) = ended.result.and_then(|r| r.exit_code) {
+                return Err(no_interpreter());
+            }
         }
         Ok(())
     }
@@ -195,7 +217,8 @@ impl TenantService<'_> {
                 "python3".into(),
                 "-I".into(),
                 "-S".into(),
-                INTERPRETER_PATH.into(),
+                "-c".into(),
+                CALL_BOOT.into(),
                 "call".into(),
                 wait.to_string(),
             ]),
@@ -276,12 +299,7 @@ impl TenantService<'_> {
     pub async fn create_context(&self, id: &str, req: CreateContextRequest) -> Result<CodeContext> {
         self.sandbox(id)?;
         let language = req.language.unwrap_or_else(|| "python".into());
-        if !matches!(language.as_str(), "python" | "bash") {
-            return Err(ServiceError::BadRequest(format!(
-                "language must be python or bash, not {:?}",
-                super::truncate(&language, 64)
-            )));
-        }
+        check_language(&language)?;
         if let Some(cwd) = &req.cwd {
             if !cwd.starts_with('/') || cwd.len() > 4096 || cwd.contains('\0') {
                 return Err(ServiceError::BadRequest(
@@ -337,6 +355,24 @@ impl TenantService<'_> {
     pub async fn execute(&self, id: &str, ctx: &str, req: ExecuteRequest) -> Result<Execution> {
         self.sandbox(id)?;
         validate_context_id(ctx)?;
+        self.execute_in(id, json!({ "id": ctx }), req).await
+    }
+
+    /// An execution in the default context of `language` (made on first use), as
+    /// E2B's `run_code` without a context does.
+    pub async fn execute_default(
+        &self,
+        id: &str,
+        language: &str,
+        req: ExecuteRequest,
+    ) -> Result<Execution> {
+        self.sandbox(id)?;
+        check_language(language)?;
+        self.execute_in(id, json!({ "language": language }), req)
+            .await
+    }
+
+    async fn execute_in(&self, id: &str, target: Value, req: ExecuteRequest) -> Result<Execution> {
         if req.code.len() > MAX_CODE_BYTES {
             return Err(ServiceError::Api(ApiError::new(
                 ErrorCode::BodyTooLarge,
@@ -349,21 +385,50 @@ impl TenantService<'_> {
                 "timeout_seconds must be 1 to {MAX_EXECUTE_TIMEOUT}"
             )));
         }
-        let request = json!({"op": "execute", "id": ctx, "code": req.code, "timeout": timeout});
-        let (cmd, mut events) = self.interpreter_call(id, &request, timeout).await?;
-        let first = events.recv().await;
-        match first.as_ref().and_then(|ev| ev["type"].as_str()) {
-            Some("failed") => return Err(failed(first.as_ref().unwrap_or(&Value::Null))),
-            Some("__exit") if first.as_ref().is_some_and(missing) => return Err(no_interpreter()),
-            _ => {}
+        let env = req.env.unwrap_or_default();
+        for (k, v) in &env {
+            let name_ok = !k.is_empty()
+                && !k.starts_with(|c: char| c.is_ascii_digit())
+                && k.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_');
+            if !name_ok || v.contains('\0') {
+                return Err(ServiceError::BadRequest(format!(
+                    "env: {:?} is not a variable name with a value",
+                    super::truncate(k, 64)
+                )));
+            }
         }
+        let mut request =
+            json!({"op": "execute", "code": req.code, "timeout": timeout, "env": env});
+        if let (Some(r), Some(t)) = (request.as_object_mut(), target.as_object()) {
+            r.extend(t.clone());
+        }
+        let (cmd, mut events) = self.interpreter_call(id, &request, timeout).await?;
+        // The service accepts (or refuses) before the code runs: errors are statuses.
+        let first = match events.recv().await {
+            Some(ev) if ev["type"] == "accepted" => None,
+            Some(ev) if ev["type"] == "failed" => return Err(failed(&ev)),
+            Some(ev) if missing(&ev) => return Err(no_interpreter()),
+            other => other,
+        };
         let (tx, rx) = mpsc::channel(64);
         let command_id = cmd.id.clone();
         let started = std::time::Instant::now();
+        let owned = self.owned();
+        let sandbox = id.to_string();
         tokio::spawn(async move {
-            let mut next = first;
+            let mut gone = false;
+            let mut next = match first {
+                Some(ev) => Some(ev),
+                None => tokio::select! {
+                    ev = events.recv() => ev,
+                    () = tx.closed() => {
+                        gone = true;
+                        None
+                    }
+                },
+            };
             while let Some(mut ev) = next {
-                match ev["type"].as_str() {
+                let out = match ev["type"].as_str() {
                     Some("end") => {
                         ev["command_id"] = json!(command_id);
                         let _ = tx.send(ev).await;
@@ -385,20 +450,30 @@ impl TenantService<'_> {
                         let _ = tx.send(end).await;
                         return;
                     }
-                    Some("failed") => {
-                        let err = json!({"type": "error", "name": "InterpreterError",
-                            "value": ev["message"], "traceback": ""});
-                        if tx.send(err).await.is_err() {
-                            return;
-                        }
-                    }
-                    _ => {
-                        if tx.send(ev).await.is_err() {
-                            return;
-                        }
-                    }
+                    Some("failed") => json!({"type": "error", "name": "InterpreterError",
+                        "value": ev["message"], "traceback": ""}),
+                    _ => ev,
+                };
+                if tx.send(out).await.is_err() {
+                    gone = true;
+                    break;
                 }
-                next = events.recv().await;
+                // A silent execution must notice its reader leave too.
+                next = tokio::select! {
+                    ev = events.recv() => ev,
+                    () = tx.closed() => {
+                        gone = true;
+                        break;
+                    }
+                };
+            }
+            if gone {
+                // Nobody reads any more: end the client, and the service interrupts
+                // the code when it sees the client go.
+                let scope = owned.scoped();
+                let _ = scope
+                    .signal_command(&sandbox, &command_id, libc::SIGKILL)
+                    .await;
             }
         });
         Ok(Execution {
@@ -408,10 +483,19 @@ impl TenantService<'_> {
     }
 }
 
-/// Whether a client's exit says the sandbox has no interpreter: no `python3` (127, 126)
-/// or no service file (Python's 2).
+fn check_language(language: &str) -> Result<()> {
+    match language {
+        "python" | "bash" => Ok(()),
+        other => Err(ServiceError::BadRequest(format!(
+            "language must be python or bash, not {:?}",
+            super::truncate(other, 64)
+        ))),
+    }
+}
+
+/// Whether a client's exit says the sandbox has no `python3` to run it.
 fn missing(exit: &Value) -> bool {
-    matches!(exit["exit_code"].as_i64(), Some(2 | 126 | 127))
+    matches!(exit["exit_code"].as_i64(), Some(126 | 127))
 }
 
 fn context_of(ev: &Value) -> Result<CodeContext> {

@@ -60,13 +60,13 @@ fn no_template(name: &str) -> ServiceError {
 }
 
 /// A [`TenantService`] that owns its parts, to move into a blocking task.
-struct Owned {
+pub(super) struct Owned {
     svc: Service,
     tenant: Tenant,
 }
 
 impl Owned {
-    fn scoped(&self) -> TenantService<'_> {
+    pub(super) fn scoped(&self) -> TenantService<'_> {
         self.svc.for_tenant(&self.tenant)
     }
 }
@@ -83,7 +83,7 @@ impl<'a> TenantService<'a> {
         (self.svc, self.tenant)
     }
 
-    fn owned(&self) -> Owned {
+    pub(super) fn owned(&self) -> Owned {
         Owned {
             svc: self.svc.clone(),
             tenant: self.tenant.clone(),

@@ -78,6 +78,41 @@ fn plain(text: &str) -> String {
     out
 }
 
+/// Starts `code` (which runs for an hour), drops the response at once, checks that
+/// the recording command ends, and runs `then` in the same context.
+async fn abandon_then_run(
+    s: &TestServer,
+    sb: &str,
+    ctx: &str,
+    code: &str,
+    then: &str,
+) -> Vec<Value> {
+    let resp = s
+        .req(
+            reqwest::Method::POST,
+            &format!("/v1/sandboxes/{sb}/contexts/{ctx}/execute"),
+        )
+        .json(&json!({"code": code, "timeout_seconds": 3600}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 200);
+    let cmd = resp.headers()["x-space-command-id"]
+        .to_str()
+        .unwrap()
+        .to_string();
+    let (_, c) = s.get(&format!("/v1/sandboxes/{sb}/commands/{cmd}")).await;
+    assert_eq!(c["state"], "running", "{c}");
+    drop(resp);
+    let (_, c) = s
+        .get(&format!("/v1/sandboxes/{sb}/commands/{cmd}?wait=60s"))
+        .await;
+    assert_ne!(c["state"], "running", "{c}");
+    let (st, ev) = execute(s, sb, ctx, json!({"code": then, "timeout_seconds": 120})).await;
+    assert_eq!(st, 200, "{ev:?}");
+    ev
+}
+
 async fn new_context(s: &TestServer, sb: &str, body: Value) -> String {
     let (st, ctx) = s.post(&format!("/v1/sandboxes/{sb}/contexts"), body).await;
     assert_eq!(st, 201, "{ctx}");
@@ -177,6 +212,30 @@ async fn python_and_bash_contexts_with_rich_results() {
     let ev = run(&s, &sb, &py, "x").await;
     assert_eq!(of_type(&ev, "result")[0]["text"], "42", "{ev:?}");
 
+    // Variables for one execution only.
+    let (_, ev) = execute(
+        &s,
+        &sb,
+        &py,
+        json!({"code": "import os\nos.environ.get('GREETING')", "env": {"GREETING": "hi there"}}),
+    )
+    .await;
+    assert_eq!(of_type(&ev, "result")[0]["text"], "'hi there'", "{ev:?}");
+    let ev = run(&s, &sb, &py, "print(os.environ.get('GREETING'))").await;
+    assert_eq!(stdout(&ev), "None\n", "{ev:?}");
+
+    // A caller that goes away interrupts its execution: the context is free again at
+    // once (it would wait an hour otherwise), and its variables stay.
+    let ev = abandon_then_run(
+        &s,
+        &sb,
+        &py,
+        "import time\nwhile True: time.sleep(0.1)",
+        "x",
+    )
+    .await;
+    assert_eq!(of_type(&ev, "result")[0]["text"], "42", "{ev:?}");
+
     // Two contexts share nothing.
     let other = new_context(&s, &sb, json!({"language": "python", "cwd": "/tmp"})).await;
     let ev = run(&s, &sb, &other, "import os\nprint(os.getcwd())\nx").await;
@@ -200,6 +259,20 @@ async fn python_and_bash_contexts_with_rich_results() {
     .await;
     assert_eq!(of_type(&ev, "error")[0]["name"], "TimeoutError", "{ev:?}");
     let ev = run(&s, &sb, &sh, "echo $N").await;
+    assert_eq!(stdout(&ev), "7\n");
+    let (_, ev) = execute(
+        &s,
+        &sb,
+        &sh,
+        json!({"code": "echo \"$N $ONLY\"; N=8", "env": {"ONLY": "once", "N": "9"}}),
+    )
+    .await;
+    assert_eq!(stdout(&ev), "9 once\n", "{ev:?}");
+    // Put back after: what the code set to a variable of the request is undone too.
+    let ev = run(&s, &sb, &sh, "echo \"$N ${ONLY-unset}\"").await;
+    assert_eq!(stdout(&ev), "7 unset\n", "{ev:?}");
+
+    let ev = abandon_then_run(&s, &sb, &sh, "sleep 3600", "echo $N").await;
     assert_eq!(stdout(&ev), "7\n");
 
     // Restart: a fresh kernel. Delete: gone.

@@ -1,24 +1,28 @@
 """space's code interpreter, inside a sandbox of the `code-interpreter` template.
 
-Two roles, one file (installed as /opt/space/interpreter.py):
+Two roles, one file, which the server sends each command on its stdin (see the
+bootstraps in interpreter.rs):
 
 - `serve`: the execution service. It owns the contexts: a Jupyter kernel each for
   Python, a persistent bash for bash. It listens on a Unix socket that only its user
   can reach, and answers one JSON request per connection with NDJSON events.
-- `call`: a client. It reads one request from stdin, sends it to the service and
-  copies the events to stdout. The host runs it as an ordinary command, so every
+- `call`: a client. It sends one request to the service and copies the events to
+  stdout. The host runs it as an ordinary command, so every
   request (every execution) is recorded like any command and can be replayed.
 
 Requests: {"op": "create", "language": "python"|"bash", "cwd": ...},
 {"op": "list"}, {"op": "delete", "id": ...}, {"op": "restart", "id": ...},
-{"op": "execute", "id": ..., "code": ..., "timeout": seconds}.
+{"op": "execute", "id": ... | "language": ..., "code": ..., "timeout": seconds,
+"env": {...}}. An execution without an id runs in the language's default context,
+made on first use.
 
 Events, one JSON object a line: {"type": "context", ...}, {"type": "contexts", ...},
 {"type": "stdout"|"stderr", "text"}, {"type": "result", "is_main_result", "text",
 "html", "png", "svg", "jpeg", "json", "markdown", "latex", "javascript", "pdf"},
 {"type": "error", "name", "value", "traceback"}, {"type": "end", "execution_count",
 "duration_ms"}, and {"type": "failed", "code", "message"} for a request that cannot
-be served.
+be served. An execution starts with {"type": "accepted", "id"} once its context is
+known, before it waits for the context's previous execution to finish.
 
 The client imports nothing from Jupyter: it starts in a few milliseconds.
 """
@@ -41,8 +45,7 @@ def socket_path():
     return os.path.join(socket_dir(), "sock")
 
 
-def call(wait_seconds):
-    request = sys.stdin.buffer.read()
+def call(wait_seconds, request):
     deadline = time.monotonic() + wait_seconds
     while True:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -55,7 +58,8 @@ def call(wait_seconds):
                 return NOT_RUNNING
             time.sleep(0.05)
     s.sendall(request.rstrip(b"\n") + b"\n")
-    s.shutdown(socket.SHUT_WR)
+    # The socket stays open both ways: if this client is killed (the caller went away),
+    # the service sees it close and interrupts the execution.
     out = sys.stdout.buffer
     while True:
         data = s.recv(1 << 16)
@@ -145,7 +149,28 @@ class PythonContext:
         if self.km is not None:
             await self.km.shutdown_kernel(now=True)
 
-    async def execute(self, code, timeout, emit):
+    async def execute(self, code, timeout, emit, env, abandoned):
+        import asyncio
+
+        if env:
+            # Only for this execution: set now, put back after.
+            await self.run_quiet(
+                "import os as _space_os\n"
+                "_space_saved = {k: _space_os.environ.get(k) for k in %r}\n"
+                "_space_os.environ.update(%r)" % (list(env), env)
+            )
+        try:
+            return await self.execute_cell(code, timeout, emit, abandoned)
+        finally:
+            if env:
+                await self.run_quiet(
+                    "for _k, _v in _space_saved.items():\n"
+                    "    if _v is None: _space_os.environ.pop(_k, None)\n"
+                    "    else: _space_os.environ[_k] = _v\n"
+                    "del _space_saved, _k, _v"
+                )
+
+    async def execute_cell(self, code, timeout, emit, abandoned):
         import asyncio
 
         msg_id = self.kc.execute(code, allow_stdin=False)
@@ -154,6 +179,8 @@ class PythonContext:
         count = None
         while True:
             left = deadline - time.monotonic()
+            if abandoned.is_set() and not timed_out:
+                left = 0
             if left <= 0 and not timed_out:
                 timed_out = True
                 await self.km.interrupt_kernel()
@@ -245,11 +272,24 @@ class BashContext:
                 pass
             await self.proc.wait()
 
-    async def execute(self, code, timeout, emit):
+    async def execute(self, code, timeout, emit, env, abandoned):
         import asyncio
+        import shlex
 
         if self.proc.returncode is not None:
             await self.start()
+        if env:
+            # Only for this execution: a subshell would lose what the code sets, so the
+            # variables are exported, and unset or put back after.
+            saved = "".join(
+                "_space_had_%d=${%s+x}; _space_old_%d=${%s-}; " % (i, k, i, k) for i, k in enumerate(env)
+            )
+            sets = "".join("export %s=%s; " % (k, shlex.quote(v)) for k, v in env.items())
+            back = "".join(
+                "if [ -n \"$_space_had_%d\" ]; then %s=$_space_old_%d; else unset %s; fi; " % (i, k, i, k)
+                for i, k in enumerate(env)
+            )
+            code = saved + sets + "\n" + code + "\n__space_rc=$?; " + back + "(exit $__space_rc)"
         self.count += 1
         marker = "__space_end_%d_%d__" % (os.getpid(), self.count)
         script = "%s\n__space_rc=$?; printf '\\n%s %%d\\n' $__space_rc; printf '\\n%s\\n' >&2\n" % (
@@ -284,8 +324,17 @@ class BashContext:
             asyncio.ensure_future(pump(self.proc.stdout, "stdout")),
             asyncio.ensure_future(pump(self.proc.stderr, "stderr")),
         ]
-        done, _ = await asyncio.wait(tasks, timeout=timeout)
-        if len(done) < 2:
+        deadline = time.monotonic() + timeout
+        gone = asyncio.ensure_future(abandoned.wait())
+        pending = set(tasks)
+        while pending and not gone.done():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            await asyncio.wait(pending | {gone}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            pending = {t for t in tasks if not t.done()}
+        gone.cancel()
+        if pending:
             # Interrupt what runs; if bash itself does not come back, start a new one.
             try:
                 os.killpg(self.proc.pid, 2)
@@ -310,10 +359,25 @@ class BashContext:
         return self.count
 
 
+def valid_env(env):
+    """An execution's variables: names a shell accepts, string values."""
+    import re
+
+    if env is None:
+        return {}
+    if not isinstance(env, dict):
+        raise Failed("invalid_request", "env must be an object of strings")
+    for k, v in env.items():
+        if not isinstance(v, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k):
+            raise Failed("invalid_request", "env: %r is not a variable name with a string value" % (k,))
+    return env
+
+
 class Service:
     def __init__(self):
         self.contexts = {}
-        self.next = 0
+        # The context an execution without an id runs in, by language.
+        self.defaults = {}
 
     def describe(self, ctx):
         return {"id": ctx.id, "language": ctx.language, "cwd": ctx.cwd}
@@ -330,10 +394,13 @@ class Service:
         return ctx
 
     async def create(self, request, emit):
+        ctx = await self.make(request.get("language") or "python", request.get("cwd"))
+        emit(dict(self.describe(ctx), type="context"))
+
+    async def make(self, language, cwd):
         import secrets
 
-        language = request.get("language") or "python"
-        cwd = request.get("cwd") or os.path.expanduser("~")
+        cwd = cwd or os.path.expanduser("~")
         if not os.path.isdir(cwd):
             raise Failed("invalid_request", "cwd %s is not a directory" % cwd)
         kinds = {"python": PythonContext, "bash": BashContext}
@@ -342,13 +409,34 @@ class Service:
         ctx = kinds[language]("ctx_" + secrets.token_hex(8), cwd)
         try:
             await ctx.start()
+        except ImportError as e:
+            await ctx.stop()
+            raise Failed(
+                "unavailable",
+                "this sandbox has no Jupyter kernel (%s): create it from the code-interpreter template" % e,
+            )
         except Exception as e:
             await ctx.stop()
             raise Failed("internal", "cannot start the %s context: %s" % (language, e))
         self.contexts[ctx.id] = ctx
-        emit(dict(self.describe(ctx), type="context"))
+        return ctx
+
+    async def default(self, language):
+        import asyncio
+
+        # One maker at a time, so two first executions share one default context.
+        if not hasattr(self, "making"):
+            self.making = asyncio.Lock()
+        async with self.making:
+            ctx = self.contexts.get(self.defaults.get(language))
+            if ctx is None:
+                ctx = await self.make(language, None)
+                self.defaults[language] = ctx.id
+        return self.context({"id": ctx.id})
 
     async def serve_one(self, reader, writer):
+        import asyncio
+
         def emit(event):
             writer.write(json.dumps(event).encode() + b"\n")
 
@@ -374,11 +462,29 @@ class Service:
                     ctx.count = 0
                 emit(dict(self.describe(ctx), type="context"))
             elif op == "execute":
-                ctx = self.context(request)
+                if request.get("id"):
+                    ctx = self.context(request)
+                else:
+                    ctx = await self.default(request.get("language") or "python")
                 timeout = float(request.get("timeout") or 300)
+                env = valid_env(request.get("env"))
+                abandoned = asyncio.Event()
+
+                async def watch():
+                    # The client sends nothing more: end of file means it is gone.
+                    await reader.read()
+                    abandoned.set()
+
+                watcher = asyncio.ensure_future(watch())
+                # Known context, valid request: the caller may start its stream.
+                emit({"type": "accepted", "id": ctx.id})
+                await writer.drain()
                 async with ctx.lock:
                     started = time.monotonic()
-                    count = await ctx.execute(str(request.get("code", "")), timeout, emit)
+                    try:
+                        count = await ctx.execute(str(request.get("code", "")), timeout, emit, env, abandoned)
+                    finally:
+                        watcher.cancel()
                 emit(
                     {
                         "type": "end",
@@ -433,7 +539,11 @@ def serve():
 if __name__ == "__main__":
     role = sys.argv[1] if len(sys.argv) > 1 else ""
     if role == "call":
-        sys.exit(call(float(sys.argv[2]) if len(sys.argv) > 2 else 0))
+        # The request follows the program on stdin (the bootstrap split them).
+        request = globals().get("_space_request")
+        if request is None:
+            request = sys.stdin.buffer.read()
+        sys.exit(call(float(sys.argv[2]) if len(sys.argv) > 2 else 0, request))
     if role == "serve":
         sys.exit(serve())
     sys.stderr.write("usage: interpreter.py call [WAIT_SECONDS] | serve\n")
