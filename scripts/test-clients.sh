@@ -5,13 +5,15 @@
 # all under target/test-clients/. Idempotent: a second run with the right
 # versions already installed does nothing.
 #
-#   Python: target/test-clients/venv/bin/python   (e2b==$PY_VERSION, mcp==$MCP_VERSION)
+#   Python: target/test-clients/venv/bin/python   (e2b==$PY_VERSION,
+#           e2b-code-interpreter==$CI_VERSION, mcp==$MCP_VERSION)
 #   JS:     target/test-clients/node/node_modules  (e2b@$JS_VERSION; the tests
 #           get it as E2B_NODE_MODULES)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PY_VERSION=2.63.0
+CI_VERSION=2.11.5
 MCP_VERSION=2.3.0
 JS_VERSION=2.51.0
 DIR=target/test-clients
@@ -22,7 +24,7 @@ mkdir -p "$DIR"
 
 # --- Python SDK ---
 py_ok() {
-  "$VENV/bin/python" -c "import e2b, mcp, importlib.metadata as m; assert m.version('e2b')=='$PY_VERSION' and m.version('mcp')=='$MCP_VERSION'" >/dev/null 2>&1
+  "$VENV/bin/python" -c "import e2b, e2b_code_interpreter, mcp, importlib.metadata as m; assert m.version('e2b')=='$PY_VERSION' and m.version('e2b-code-interpreter')=='$CI_VERSION' and m.version('mcp')=='$MCP_VERSION'" >/dev/null 2>&1
 }
 if ! py_ok; then
   if ! python3 -c 'import venv, ensurepip' >/dev/null 2>&1; then
@@ -33,8 +35,9 @@ if ! py_ok; then
   fi
   # A half-made venv (no pip) from an interrupted run is rebuilt.
   [[ -x "$VENV/bin/pip" ]] || { rm -rf "$VENV"; python3 -m venv "$VENV"; }
-  "$VENV/bin/pip" install --quiet --disable-pip-version-check "e2b==$PY_VERSION" "mcp==$MCP_VERSION"
-  py_ok || { echo "test-clients.sh: python e2b $PY_VERSION / mcp $MCP_VERSION not importable after install" >&2; exit 1; }
+  "$VENV/bin/pip" install --quiet --disable-pip-version-check "e2b==$PY_VERSION" \
+    "e2b-code-interpreter==$CI_VERSION" "mcp==$MCP_VERSION"
+  py_ok || { echo "test-clients.sh: python e2b $PY_VERSION / e2b-code-interpreter $CI_VERSION / mcp $MCP_VERSION not importable after install" >&2; exit 1; }
 fi
 
 # --- JS SDK ---
@@ -49,4 +52,4 @@ if [[ "$(js_version)" != "$JS_VERSION" ]]; then
   [[ "$(js_version)" == "$JS_VERSION" ]] || { echo "test-clients.sh: JS e2b $JS_VERSION not installed" >&2; exit 1; }
 fi
 
-echo "test clients: python e2b $("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("e2b"), "mcp", m.version("mcp"))'), js e2b $(js_version)"
+echo "test clients: python e2b $("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("e2b"), "e2b-code-interpreter", m.version("e2b-code-interpreter"), "mcp", m.version("mcp"))'), js e2b $(js_version)"

@@ -421,7 +421,7 @@ class Service:
         self.contexts[ctx.id] = ctx
         return ctx
 
-    async def default(self, language):
+    async def default(self, language, cwd):
         import asyncio
 
         # One maker at a time, so two first executions share one default context.
@@ -430,7 +430,7 @@ class Service:
         async with self.making:
             ctx = self.contexts.get(self.defaults.get(language))
             if ctx is None:
-                ctx = await self.make(language, None)
+                ctx = await self.make(language, cwd)
                 self.defaults[language] = ctx.id
         return self.context({"id": ctx.id})
 
@@ -465,7 +465,7 @@ class Service:
                 if request.get("id"):
                     ctx = self.context(request)
                 else:
-                    ctx = await self.default(request.get("language") or "python")
+                    ctx = await self.default(request.get("language") or "python", request.get("cwd"))
                 timeout = float(request.get("timeout") or 300)
                 env = valid_env(request.get("env"))
                 abandoned = asyncio.Event()

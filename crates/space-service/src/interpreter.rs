@@ -301,11 +301,7 @@ impl TenantService<'_> {
         let language = req.language.unwrap_or_else(|| "python".into());
         check_language(&language)?;
         if let Some(cwd) = &req.cwd {
-            if !cwd.starts_with('/') || cwd.len() > 4096 || cwd.contains('\0') {
-                return Err(ServiceError::BadRequest(
-                    "cwd must be an absolute path".into(),
-                ));
-            }
+            check_cwd(cwd)?;
         }
         let ev = self
             .interpreter_answer(
@@ -360,15 +356,20 @@ impl TenantService<'_> {
 
     /// An execution in the default context of `language` (made on first use), as
     /// E2B's `run_code` without a context does.
+    /// `cwd` is the default context's directory when this call makes it.
     pub async fn execute_default(
         &self,
         id: &str,
         language: &str,
+        cwd: Option<&str>,
         req: ExecuteRequest,
     ) -> Result<Execution> {
         self.sandbox(id)?;
         check_language(language)?;
-        self.execute_in(id, json!({ "language": language }), req)
+        if let Some(cwd) = cwd {
+            check_cwd(cwd)?;
+        }
+        self.execute_in(id, json!({ "language": language, "cwd": cwd }), req)
             .await
     }
 
@@ -480,6 +481,15 @@ impl TenantService<'_> {
             command_id: cmd.id,
             events: rx,
         })
+    }
+}
+
+fn check_cwd(cwd: &str) -> Result<()> {
+    match cwd.starts_with('/') && cwd.len() <= 4096 && !cwd.contains('\0') {
+        true => Ok(()),
+        false => Err(ServiceError::BadRequest(
+            "cwd must be an absolute path".into(),
+        )),
     }
 }
 

@@ -238,6 +238,20 @@ async fn python_async_sdk() {
     assert_all_gone(&s, &b).await;
 }
 
+/// E2B's code interpreter SDK on its default template (code-interpreter-v1, our
+/// code-interpreter), sync and async.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn python_code_interpreter_sdk() {
+    if std::env::var("SPACE_TEST_RUNTIME").is_ok_and(|rt| rt != "gvisor") {
+        // The template is 1.4 GB: its microVM disk image is not built in the microVM pass.
+        return;
+    }
+    let s = server().await;
+    let (a, b) = (s.new_key("e2b-a"), s.new_key("e2b-b"));
+    run_script(&s, &a, &b, "python", "code_interpreter.py");
+    assert_all_gone(&s, &a).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn js_sdk() {
     let s = server().await;

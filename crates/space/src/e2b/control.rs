@@ -15,6 +15,7 @@ use space_api::{
     CreateSandboxRequest, KeepaliveRequest, OnIdle, Operation, OperationStatus, Sandbox,
     SandboxState,
 };
+use space_runtime::template::CODE_INTERPRETER;
 use space_service::{ServiceError, Tenant};
 
 use super::{E2bError, E2bState, ENVD_VERSION};
@@ -35,7 +36,7 @@ fn fail(status: StatusCode, message: impl Into<String>) -> E2bError {
     E2bError::new(status, message)
 }
 
-fn service_error(e: ServiceError) -> E2bError {
+pub(crate) fn service_error(e: ServiceError) -> E2bError {
     let status =
         StatusCode::from_u16(e.code().http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     let message = match &e {
@@ -213,10 +214,15 @@ fn describe(sb: &Sandbox, template: &str) -> Value {
 fn template_of(st: &E2bState, sb: &Sandbox) -> String {
     if sb.template == *st.default_template {
         "base".to_string()
+    } else if sb.template == CODE_INTERPRETER {
+        E2B_CODE_INTERPRETER.to_string()
     } else {
         sb.template.clone()
     }
 }
+
+/// The default template of E2B's code interpreter SDK; ours is `code-interpreter`.
+const E2B_CODE_INTERPRETER: &str = "code-interpreter-v1";
 
 /// The answer to a create or a connect: the sandbox and a new envd access token.
 async fn created(st: &E2bState, tenant: &Tenant, sb: &Sandbox, status: StatusCode) -> Response {
@@ -236,6 +242,8 @@ async fn created(st: &E2bState, tenant: &Tenant, sb: &Sandbox, status: StatusCod
         "clientID": CLIENT_ID,
         "envdVersion": ENVD_VERSION,
         "envdAccessToken": token,
+        // The code interpreter's SDK authenticates its context routes with this one.
+        "trafficAccessToken": token,
         "domain": Value::Null,
     });
     (status, axum::Json(body)).into_response()
@@ -255,6 +263,7 @@ pub async fn create(State(st): State<E2bState>, headers: HeaderMap, body: Body) 
         };
         let template = match template.as_str() {
             "base" => st.default_template.to_string(),
+            E2B_CODE_INTERPRETER => CODE_INTERPRETER.to_string(),
             t => t.to_string(),
         };
         let timeout = timeout_of(&v, "timeout")?.unwrap_or(DEFAULT_TIMEOUT);

@@ -9,6 +9,7 @@ mod connect;
 mod control;
 mod files;
 mod filesystem;
+mod interpreter;
 mod process;
 
 use std::collections::HashMap;
@@ -69,7 +70,15 @@ pub fn router(state: E2bState) -> Router<AppState> {
                 .layer(axum::extract::DefaultBodyLimit::disable()),
         )
         .route("/process.Process/:method", post(process::call))
-        .route("/filesystem.Filesystem/:method", post(filesystem::call));
+        .route("/filesystem.Filesystem/:method", post(filesystem::call))
+        // The code interpreter (port 49999 at E2B).
+        .route("/execute", post(interpreter::execute))
+        .route(
+            "/contexts",
+            post(interpreter::create).get(interpreter::list),
+        )
+        .route("/contexts/:ctx", axum::routing::delete(interpreter::delete))
+        .route("/contexts/:ctx/restart", post(interpreter::restart));
     let control = Router::new()
         .route("/v2/sandboxes", post(control::create).get(control::list_v2))
         .route("/sandboxes", post(control::create).get(control::list_v1))
@@ -150,9 +159,11 @@ pub(crate) async fn envd_caller(
             "an E2b-Sandbox-Id header names the sandbox",
         )));
     };
+    // The code interpreter's SDK sends the same token as a traffic token on some routes.
+    let token = header("x-access-token").or_else(|| header("e2b-traffic-access-token"));
     let tenant = st
         .service
-        .authenticate_access_token(sandbox, header("x-access-token"))
+        .authenticate_access_token(sandbox, token)
         .await
         .map_err(|e| Refused::Token(e.into()))?;
     let gone = || Refused::Unreachable(format!("The sandbox {sandbox} was not found"));
