@@ -23,12 +23,12 @@ use super::{envd_caller, E2bError, E2bState};
 /// Where E2B's code interpreter starts its contexts.
 const E2B_CWD: &str = "/home/user";
 
-fn bad(message: impl Into<String>) -> Response {
-    E2bError::new(StatusCode::BAD_REQUEST, message).into_response()
+fn bad(message: impl Into<String>) -> E2bError {
+    E2bError::new(StatusCode::BAD_REQUEST, message)
 }
 
 /// A JSON object body, or a 400.
-fn object(body: &Bytes) -> Result<serde_json::Map<String, Value>, Response> {
+fn object(body: &Bytes) -> Result<serde_json::Map<String, Value>, E2bError> {
     let text = if body.iter().all(u8::is_ascii_whitespace) {
         &b"{}"[..]
     } else {
@@ -40,7 +40,7 @@ fn object(body: &Bytes) -> Result<serde_json::Map<String, Value>, Response> {
     }
 }
 
-fn string_field(m: &serde_json::Map<String, Value>, key: &str) -> Result<Option<String>, Response> {
+fn string_field(m: &serde_json::Map<String, Value>, key: &str) -> Result<Option<String>, E2bError> {
     match m.get(key) {
         None | Some(Value::Null) => Ok(None),
         Some(Value::String(s)) => Ok(Some(s.clone())),
@@ -50,7 +50,7 @@ fn string_field(m: &serde_json::Map<String, Value>, key: &str) -> Result<Option<
 
 /// E2B's language names: `python` (the default) and `bash` run here; the SDK's others
 /// (`javascript`, `typescript`, `r`, `java`) get a 400 that says so.
-fn language(m: &serde_json::Map<String, Value>) -> Result<String, Response> {
+fn language(m: &serde_json::Map<String, Value>) -> Result<String, E2bError> {
     match string_field(m, "language")?.as_deref() {
         None | Some("" | "python" | "python3") => Ok("python".into()),
         Some("bash" | "sh") => Ok("bash".into()),
@@ -69,34 +69,39 @@ pub async fn execute(State(st): State<E2bState>, headers: HeaderMap, body: Bytes
         Ok(c) => c,
         Err(r) => return r.into_response(),
     };
-    let m = match object(&body) {
-        Ok(m) => m,
-        Err(r) => return r,
-    };
+    execute_as(&st, &tenant, &sandbox, &body)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
+}
+
+async fn execute_as(
+    st: &E2bState,
+    tenant: &space_service::Tenant,
+    sandbox: &str,
+    body: &Bytes,
+) -> Result<Response, E2bError> {
+    let m = object(body)?;
     let code = match m.get("code") {
         Some(Value::String(c)) => c.clone(),
-        _ => return bad("code is required, a string"),
+        _ => return Err(bad("code is required, a string")),
     };
     let env = match m.get("env_vars") {
         None | Some(Value::Null) => None,
         Some(Value::Object(vars)) => {
             let mut out = std::collections::BTreeMap::new();
             for (k, v) in vars {
-                match v {
-                    Value::String(s) => out.insert(k.clone(), s.clone()),
-                    _ => return bad("env_vars values must be strings"),
+                let Value::String(v) = v else {
+                    return Err(bad("env_vars values must be strings"));
                 };
+                out.insert(k.clone(), v.clone());
             }
             Some(out)
         }
-        Some(_) => return bad("env_vars must be an object"),
+        Some(_) => return Err(bad("env_vars must be an object")),
     };
-    let context = match string_field(&m, "context_id") {
-        Ok(c) => c,
-        Err(r) => return r,
-    };
+    let context = string_field(&m, "context_id")?;
     if context.is_some() && m.get("language").is_some_and(|l| !l.is_null()) {
-        return bad("give context_id or language, not both");
+        return Err(bad("give context_id or language, not both"));
     }
     // The SDK's own timeout bounds the call; when it gives up, the execution stops.
     let req = ExecuteRequest {
@@ -104,23 +109,17 @@ pub async fn execute(State(st): State<E2bState>, headers: HeaderMap, body: Bytes
         timeout_seconds: Some(MAX_EXECUTE_TIMEOUT),
         env,
     };
-    let scope = st.service.for_tenant(&tenant);
+    let scope = st.service.for_tenant(tenant);
     let run = match &context {
-        Some(ctx) => scope.execute(&sandbox, ctx, req).await,
+        Some(ctx) => scope.execute(sandbox, ctx, req).await,
         None => {
-            let language = match language(&m) {
-                Ok(l) => l,
-                Err(r) => return r,
-            };
+            let language = language(&m)?;
             scope
-                .execute_default(&sandbox, &language, Some(E2B_CWD), req)
+                .execute_default(sandbox, &language, Some(E2B_CWD), req)
                 .await
         }
     };
-    let run = match run {
-        Ok(run) => run,
-        Err(e) => return service_error(e).into_response(),
-    };
+    let run = run.map_err(service_error)?;
     let lines = ReceiverStream::new(run.events).map(|ev| {
         let mut out = Vec::new();
         for line in e2b_lines(ev) {
@@ -129,10 +128,10 @@ pub async fn execute(State(st): State<E2bState>, headers: HeaderMap, body: Bytes
         }
         Ok::<_, std::convert::Infallible>(Bytes::from(out))
     });
-    Response::builder()
+    Ok(Response::builder()
         .header(header::CONTENT_TYPE, "application/x-ndjson")
         .body(Body::from_stream(lines))
-        .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
+        .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response()))
 }
 
 /// One of our events as E2B's lines.
@@ -162,13 +161,10 @@ pub async fn create(State(st): State<E2bState>, headers: HeaderMap, body: Bytes)
         Ok(c) => c,
         Err(r) => return r.into_response(),
     };
-    let m = match object(&body) {
-        Ok(m) => m,
-        Err(r) => return r,
-    };
-    let (language, cwd) = match (language(&m), string_field(&m, "cwd")) {
-        (Ok(l), Ok(c)) => (l, c),
-        (Err(r), _) | (_, Err(r)) => return r,
+    let fields = object(&body).and_then(|m| Ok((language(&m)?, string_field(&m, "cwd")?)));
+    let (language, cwd) = match fields {
+        Ok(f) => f,
+        Err(e) => return e.into_response(),
     };
     let req = CreateContextRequest {
         language: Some(language),
