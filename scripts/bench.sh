@@ -8,6 +8,8 @@
 #   list:      GET /v1/sandboxes with 100 running sandboxes (p50, p99) against runsc list
 #   e2b:       commands.run("true") through the Python E2B SDK and through /v1, against runsc exec
 #   pools:     create to first result from a warm pool and cold, against runsc create+start+exec
+#   interpreter: the first result of 1+1 in a fresh code-interpreter sandbox (cold and
+#              from a pool) and per-cell latency, against a local Jupyter kernel
 #   creates:   16 creates at once to a first result against 16 runsc in parallel; 100 at once,
 #              each succeeded or refused (429), none failed or hung
 # Each prints one table; they never fail on speed, only when something breaks.
@@ -22,6 +24,12 @@ PROFILE=release scripts/build.sh
 export SPACE_TEST_TEMPLATES="$PWD/target/space-test-templates"
 target/release/space admin prepare-template busybox --templates-dir "$SPACE_TEST_TEMPLATES" --data-dir /nonexistent
 target/release/space admin prepare-template debian --templates-dir "$SPACE_TEST_TEMPLATES" --data-dir /nonexistent
+target/release/space admin prepare-template code-interpreter --templates-dir "$SPACE_TEST_TEMPLATES" --data-dir /nonexistent
+# The interpreter bench's local side: a Jupyter kernel on the host, from Debian.
+if ! /usr/bin/python3 -c 'import jupyter_client, ipykernel' 2>/dev/null; then
+  apt-get install -y -qq python3-ipykernel python3-jupyter-client >/dev/null \
+    || { apt-get update -qq && apt-get install -y -qq python3-ipykernel python3-jupyter-client >/dev/null; }
+fi
 scripts/test-clients.sh
 
 cargo bench -p space --bench core
@@ -32,4 +40,5 @@ cargo bench -p space --bench runtimes
 cargo bench -p space --bench list
 cargo bench -p space --bench e2b
 cargo bench -p space --bench pools
+cargo bench -p space --bench interpreter
 cargo bench -p space --bench creates

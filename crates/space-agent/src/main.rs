@@ -27,6 +27,7 @@ mod oom;
 mod port;
 mod pty;
 mod reaper;
+mod relay;
 mod spawn;
 mod tree;
 mod users;
@@ -120,6 +121,12 @@ impl Config {
 }
 
 fn main() -> ExitCode {
+    // A command in the sandbox may run this binary as a relay (see `relay`); nothing of
+    // the agent's own start-up happens then.
+    let mut args = std::env::args_os().skip(1);
+    if args.next().is_some_and(|a| a == "relay") {
+        return relay::main(args);
+    }
     // Before the token is read: a non-dumpable process's memory (and, under Linux, its
     // environment, descriptors and other /proc files; gVisor checks only memory and ptrace)
     // is closed to every process without CAP_SYS_PTRACE, root included, and commands never

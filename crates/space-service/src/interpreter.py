@@ -1,14 +1,12 @@
 """space's code interpreter, inside a sandbox of the `code-interpreter` template.
 
-Two roles, one file, which the server sends each command on its stdin (see the
-bootstraps in interpreter.rs):
-
-- `serve`: the execution service. It owns the contexts: a Jupyter kernel each for
-  Python, a persistent bash for bash. It listens on a Unix socket that only its user
-  can reach, and answers one JSON request per connection with NDJSON events.
-- `call`: a client. It sends one request to the service and copies the events to
-  stdout. The host runs it as an ordinary command, so every
-  request (every execution) is recorded like any command and can be replayed.
+The execution service. The server sends this file on the stdin of the command that
+runs it (`python3 -I -c <bootstrap> serve`, see interpreter.rs), so it always matches
+the server. It owns the contexts: a Jupyter kernel each for Python, a persistent bash
+for bash. It listens on a Unix socket that only its user can reach, and answers one
+JSON request per connection with NDJSON events. Its clients are commands of their
+own (`space-agent relay`), so every request, every execution, is recorded like any
+command and can be replayed.
 
 Requests: {"op": "create", "language": "python"|"bash", "cwd": ...},
 {"op": "list"}, {"op": "delete", "id": ...}, {"op": "restart", "id": ...},
@@ -24,50 +22,18 @@ Events, one JSON object a line: {"type": "context", ...}, {"type": "contexts", .
 be served. An execution starts with {"type": "accepted", "id"} once its context is
 known, before it waits for the context's previous execution to finish.
 
-The client imports nothing from Jupyter: it starts in a few milliseconds.
+A client that closes its connection during an execution has gone away: the execution
+is interrupted.
 """
 
 import json
 import os
-import socket
 import sys
 import time
 
-# The client exits with this when the service is not running (the host starts it).
-NOT_RUNNING = 75
-
-
-def socket_dir():
-    return "/tmp/.space-interpreter-%d" % os.getuid()
-
-
-def socket_path():
-    return os.path.join(socket_dir(), "sock")
-
-
-def call(wait_seconds, request):
-    deadline = time.monotonic() + wait_seconds
-    while True:
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            s.connect(socket_path())
-            break
-        except OSError:
-            s.close()
-            if time.monotonic() >= deadline:
-                return NOT_RUNNING
-            time.sleep(0.05)
-    s.sendall(request.rstrip(b"\n") + b"\n")
-    # The socket stays open both ways: if this client is killed (the caller went away),
-    # the service sees it close and interrupts the execution.
-    out = sys.stdout.buffer
-    while True:
-        data = s.recv(1 << 16)
-        if not data:
-            break
-        out.write(data)
-        out.flush()
-    return 0
+# Where the service listens (interpreter.rs's SOCKET): a directory only its user enters.
+SOCKET_DIR = "/tmp/.space-interpreter"
+SOCKET = SOCKET_DIR + "/sock"
 
 
 # ---- the service ----
@@ -125,14 +91,15 @@ class PythonContext:
 
         self.km = AsyncKernelManager(kernel_name="python3")
         env = dict(os.environ)
+        # Figures show as results of their cell, as in a notebook: the inline backend
+        # hooks itself in when pyplot first loads it (no `%matplotlib inline`, which
+        # would import matplotlib, a second under gVisor, into every new kernel).
         env["MPLBACKEND"] = "module://matplotlib_inline.backend_inline"
         env["PYDEVD_DISABLE_FILE_VALIDATION"] = "1"
         await self.km.start_kernel(cwd=self.cwd, env=env)
         self.kc = self.km.client()
         self.kc.start_channels()
         await self.kc.wait_for_ready(timeout=60)
-        # Figures show as results of the cell, as in a notebook.
-        await self.run_quiet("%matplotlib inline")
 
     async def run_quiet(self, code):
         msg_id = self.kc.execute(code, silent=True, store_history=False)
@@ -193,7 +160,6 @@ class PythonContext:
                 self.kc = self.km.client()
                 self.kc.start_channels()
                 await self.kc.wait_for_ready(timeout=60)
-                await self.run_quiet("%matplotlib inline")
                 break
             try:
                 msg = await self.kc.get_iopub_msg(timeout=min(left, 1.0))
@@ -514,21 +480,21 @@ def serve():
     # and no interrupt would reach them: a handler here gives them the default again.
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
-    os.makedirs(socket_dir(), mode=0o700, exist_ok=True)
-    lock = open(os.path.join(socket_dir(), "lock"), "w")
+    os.makedirs(SOCKET_DIR, mode=0o700, exist_ok=True)
+    lock = open(os.path.join(SOCKET_DIR, "lock"), "w")
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         return 0  # another service is running
     try:
-        os.unlink(socket_path())
+        os.unlink(SOCKET)
     except FileNotFoundError:
         pass
     service = Service()
 
     async def main():
-        server = await asyncio.start_unix_server(service.serve_one, path=socket_path(), limit=1 << 26)
-        os.chmod(socket_path(), 0o600)
+        server = await asyncio.start_unix_server(service.serve_one, path=SOCKET, limit=1 << 26)
+        os.chmod(SOCKET, 0o600)
         async with server:
             await server.serve_forever()
 
@@ -537,14 +503,7 @@ def serve():
 
 
 if __name__ == "__main__":
-    role = sys.argv[1] if len(sys.argv) > 1 else ""
-    if role == "call":
-        # The request follows the program on stdin (the bootstrap split them).
-        request = globals().get("_space_request")
-        if request is None:
-            request = sys.stdin.buffer.read()
-        sys.exit(call(float(sys.argv[2]) if len(sys.argv) > 2 else 0, request))
-    if role == "serve":
+    if sys.argv[1:] == ["serve"]:
         sys.exit(serve())
-    sys.stderr.write("usage: interpreter.py call [WAIT_SECONDS] | serve\n")
+    sys.stderr.write("usage: interpreter.py serve\n")
     sys.exit(2)

@@ -2,13 +2,14 @@
 //! `code-interpreter` template, for every front door.
 //!
 //! The execution service inside the sandbox (`interpreter.py serve`, beside this file)
-//! owns the contexts. Each request here is an ordinary command of the tenant's,
-//! `python3 -c <interpreter.py> call`, that sends one JSON request to the service and
-//! prints its NDJSON events: so an execution is admitted, limited, recorded and
-//! replayable like any command, and its output never bypasses the sandbox's output
-//! quota. The service is started on first use as a command of its own. Its code comes
-//! from this server with every command, never from the sandbox's files: it always
-//! matches the server, and any template with Debian's `python3-ipykernel` works.
+//! owns the contexts and listens on a Unix socket there. Each request here is an
+//! ordinary command of the tenant's, `space-agent relay` (the agent's binary, in every
+//! sandbox), that sends one JSON request to the service and prints its NDJSON events:
+//! so an execution is admitted, limited, recorded and replayable like any command, and
+//! its output never bypasses the sandbox's output quota. The service is started on
+//! first use as a command of its own; its code comes from this server on that
+//! command's stdin, never from the sandbox's files, so it always matches the server,
+//! and any template with Debian's `python3-ipykernel` works.
 //!
 //! Everything the service prints is untrusted: each line is parsed with a bound on its
 //! size, and only JSON objects with a string `type` go on.
@@ -27,26 +28,25 @@ use super::output::View;
 use super::scope::{TenantService, MAX_STDIN_WRITE};
 use super::{CommandOutputQuery, OutputEvent, Result, ServiceError};
 
-/// The execution service and its client. Both commands read it from their stdin, so
-/// their argv (what command listings show) stays one line.
+/// The execution service. Its command reads it from stdin, so its argv (what command
+/// listings show) stays one line.
 const INTERPRETER_PY: &str = include_str!("interpreter.py");
 /// `python3 -c` of the service: the program is all of stdin.
 const SERVE_BOOT: &str = "import sys; exec(compile(sys.stdin.read(), 'space-interpreter', 'exec'))";
-/// `python3 -c` of a client: stdin is the program, a NUL, then the request.
-const CALL_BOOT: &str = "import sys; _space_program, _, _space_request = \
-     sys.stdin.buffer.read().partition(b'\\0'); \
-     exec(compile(_space_program, 'space-interpreter', 'exec'))";
+/// Where the service listens (interpreter.py's `SOCKET`).
+const SOCKET: &str = "/tmp/.space-interpreter/sock";
+/// The agent's binary in every sandbox: a request's client is `space-agent relay`.
+const AGENT: &str = "/.space/bin/space-agent";
 
-/// Largest cell: the request travels as the client's stdin, one write, after the
-/// program.
-pub const MAX_CODE_BYTES: usize = MAX_STDIN_WRITE - INTERPRETER_PY.len() - 8192;
+/// Largest cell: the request travels as the client's stdin, one write.
+pub const MAX_CODE_BYTES: usize = MAX_STDIN_WRITE - 8192;
 /// An execution's timeout when the request names none.
 pub const DEFAULT_EXECUTE_TIMEOUT: u64 = 300;
 /// The longest timeout an execution may ask for.
 pub const MAX_EXECUTE_TIMEOUT: u64 = 24 * 3600;
 /// Longest line of events accepted from the sandbox (a chart is a few hundred KiB).
 const MAX_EVENT_LINE: usize = 32 << 20;
-/// What the client exits with when the service is not running.
+/// What the relay exits with when the service is not running (nothing listens).
 const NOT_RUNNING: i32 = 75;
 /// How long a client waits for a service that is starting (kernels start in seconds).
 const START_WAIT_SECONDS: u64 = 60;
@@ -136,49 +136,52 @@ impl Lines {
 
 impl TenantService<'_> {
     /// Runs one request through the sandbox's execution service, starting it if it is
-    /// not running. Returns the command and the events as they come; the channel ends
-    /// with the command.
+    /// not running. Returns the command, its first event (read to see whether the
+    /// service was there), and the rest as they come; the channel ends with the command.
     async fn interpreter_call(
         &self,
         id: &str,
         request: &Value,
         timeout: u64,
-    ) -> Result<(Command, mpsc::Receiver<Value>)> {
-        let mut body = Vec::with_capacity(INTERPRETER_PY.len() + 1 + 256);
-        body.extend_from_slice(INTERPRETER_PY.as_bytes());
-        body.push(0);
-        body.extend_from_slice(request.to_string().as_bytes());
-        let body = Bytes::from(body);
-        let (cmd, mut events) = self.interpreter_try(id, &body, timeout, 0).await?;
-        let first = events.recv().await;
-        if let Some(ev) = &first {
-            if ev["type"] == "__exit" && ev["exit_code"] == NOT_RUNNING {
-                self.start_interpreter(id).await?;
-                return self
-                    .interpreter_try(id, &body, timeout, START_WAIT_SECONDS)
-                    .await;
+    ) -> Result<(Command, Option<Value>, mpsc::Receiver<Value>)> {
+        let body = Bytes::from(format!("{request}\n"));
+        let mut service: Option<String> = None;
+        loop {
+            let wait = if service.is_some() {
+                START_WAIT_SECONDS
+            } else {
+                0
+            };
+            let (cmd, mut events) = self.interpreter_try(id, &body, timeout, wait).await?;
+            let first = match &service {
+                None => events.recv().await,
+                // A service that ends while its first client waits never listened: no
+                // need to wait out the client.
+                Some(started) => tokio::select! {
+                    first = events.recv() => first,
+                    ended = self.get_command(id, started, Duration::from_secs(wait)) => {
+                        if ended.is_ok_and(|c| c.result.is_some()) {
+                            let _ = self.signal_command(id, &cmd.id, libc::SIGKILL).await;
+                            return Err(self.service_failed(id, started).await);
+                        }
+                        events.recv().await
+                    }
+                },
+            };
+            let not_running = first
+                .as_ref()
+                .is_some_and(|ev| ev["type"] == "__exit" && ev["exit_code"] == NOT_RUNNING);
+            match (not_running, &service) {
+                (false, _) => return Ok((cmd, first, events)),
+                (true, None) => service = Some(self.start_interpreter(id).await?),
+                (true, Some(started)) => return Err(self.service_failed(id, started).await),
             }
         }
-        // Put back what was read to look.
-        let (tx, rx) = mpsc::channel(64);
-        tokio::spawn(async move {
-            if let Some(ev) = first {
-                if tx.send(ev).await.is_err() {
-                    return;
-                }
-            }
-            while let Some(ev) = events.recv().await {
-                if tx.send(ev).await.is_err() {
-                    return;
-                }
-            }
-        });
-        Ok((cmd, rx))
     }
 
     /// Starts the execution service as a command of its own (a second one exits at
-    /// once: the service holds a lock).
-    async fn start_interpreter(&self, id: &str) -> Result<()> {
+    /// once: the service holds a lock): its command's id.
+    async fn start_interpreter(&self, id: &str) -> Result<String> {
         let req = CreateCommandRequest {
             argv: Some(vec![
                 "python3".into(),
@@ -191,6 +194,9 @@ impl TenantService<'_> {
             ..Default::default()
         };
         let cmd = self.create_command(id, req).await?;
+        if let Some(126 | 127) = cmd.result.as_ref().and_then(|r| r.exit_code) {
+            return Err(no_interpreter());
+        }
         let program = Bytes::from_static(INTERPRETER_PY.as_bytes());
         if self.write_stdin(id, &cmd.id, program, true).await.is_err() {
             let ended = self
@@ -200,7 +206,22 @@ impl TenantService<'_> {
                 return Err(no_interpreter());
             }
         }
-        Ok(())
+        Ok(cmd.id)
+    }
+
+    /// Why a service that was started never listened.
+    async fn service_failed(&self, id: &str, service: &str) -> ServiceError {
+        let why = match self.get_command(id, service, Duration::ZERO).await {
+            Ok(cmd) => match cmd.result.and_then(|r| r.exit_code) {
+                Some(126 | 127) => return no_interpreter(),
+                Some(code) => format!("its command {service} ended with exit code {code}"),
+                None => format!("its command {service} runs but does not listen"),
+            },
+            Err(e) => e.to_string(),
+        };
+        ServiceError::Unavailable(format!(
+            "the code interpreter's service did not start: {why}; the command's output says why"
+        ))
     }
 
     /// One client command: `wait` is how long it waits for the service's socket. The
@@ -214,12 +235,9 @@ impl TenantService<'_> {
     ) -> Result<(Command, mpsc::Receiver<Value>)> {
         let req = CreateCommandRequest {
             argv: Some(vec![
-                "python3".into(),
-                "-I".into(),
-                "-S".into(),
-                "-c".into(),
-                CALL_BOOT.into(),
-                "call".into(),
+                AGENT.into(),
+                "relay".into(),
+                SOCKET.into(),
                 wait.to_string(),
             ]),
             stdin: Some(true),
@@ -278,10 +296,11 @@ impl TenantService<'_> {
 
     /// A request whose answer is one event of type `want`.
     async fn interpreter_answer(&self, id: &str, request: Value, want: &str) -> Result<Value> {
-        let (_, mut events) = self
+        let (_, first, mut events) = self
             .interpreter_call(id, &request, REQUEST_SLACK_SECONDS)
             .await?;
-        while let Some(ev) = events.recv().await {
+        let mut next = first;
+        while let Some(ev) = next {
             match ev["type"].as_str() {
                 Some(t) if t == want => return Ok(ev),
                 Some("failed") => return Err(failed(&ev)),
@@ -289,6 +308,7 @@ impl TenantService<'_> {
                 Some("__exit") => break,
                 _ => {}
             }
+            next = events.recv().await;
         }
         Err(ServiceError::Internal(
             "the code interpreter ended without an answer".into(),
@@ -403,9 +423,9 @@ impl TenantService<'_> {
         if let (Some(r), Some(t)) = (request.as_object_mut(), target.as_object()) {
             r.extend(t.clone());
         }
-        let (cmd, mut events) = self.interpreter_call(id, &request, timeout).await?;
+        let (cmd, first, mut events) = self.interpreter_call(id, &request, timeout).await?;
         // The service accepts (or refuses) before the code runs: errors are statuses.
-        let first = match events.recv().await {
+        let first = match first {
             Some(ev) if ev["type"] == "accepted" => None,
             Some(ev) if ev["type"] == "failed" => return Err(failed(&ev)),
             Some(ev) if missing(&ev) => return Err(no_interpreter()),
@@ -503,7 +523,8 @@ fn check_language(language: &str) -> Result<()> {
     }
 }
 
-/// Whether a client's exit says the sandbox has no `python3` to run it.
+/// Whether a relay's exit says the sandbox has no interpreter: the service's command
+/// could not run `python3`, so nothing ever listened.
 fn missing(exit: &Value) -> bool {
     matches!(exit["exit_code"].as_i64(), Some(126 | 127))
 }

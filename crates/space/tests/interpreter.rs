@@ -171,6 +171,13 @@ async fn python_and_bash_contexts_with_rich_results() {
         .unwrap();
     assert!(bytes.starts_with(b"\x89PNG\r\n\x1a\n"), "not a PNG");
     assert!(bytes.len() > 1000);
+    // Without plt.show(), as in a notebook: the figure is the cell's output all the same.
+    let ev = run(&s, &sb, &py, "plt.figure()\nplt.bar(['a', 'b'], [1, 2])").await;
+    let pngs = of_type(&ev, "result")
+        .iter()
+        .filter(|r| r["png"].is_string())
+        .count();
+    assert_eq!(pngs, 1, "{ev:?}");
 
     // A DataFrame: text and HTML.
     let ev = run(
@@ -364,7 +371,7 @@ async fn a_context_survives_suspend_and_resume() {
 }
 
 #[tokio::test]
-async fn a_sandbox_without_the_interpreter_says_so() {
+async fn a_sandbox_without_the_interpreter_or_jupyter_says_so() {
     let s = TestServer::start().await;
     let sb = s.create("busybox").await;
     let (st, v) = s
@@ -378,5 +385,19 @@ async fn a_sandbox_without_the_interpreter_says_so() {
             .contains("code-interpreter template"),
         "{v}"
     );
+    s.destroy(&sb).await;
+
+    // Plain debian has python3 but no Jupyter: a Python context says so, and a bash
+    // context (bash is there) works.
+    let sb = s.create("debian").await;
+    let (st, v) = s
+        .post(&format!("/v1/sandboxes/{sb}/contexts"), json!({}))
+        .await;
+    assert_eq!(st, 409, "{v}");
+    let message = v["error"]["message"].as_str().unwrap();
+    assert!(message.contains("no Jupyter kernel"), "{v}");
+    let sh = new_context(&s, &sb, json!({"language": "bash"})).await;
+    let ev = run(&s, &sb, &sh, "echo $((6 * 7))").await;
+    assert_eq!(stdout(&ev), "42\n", "{ev:?}");
     s.destroy(&sb).await;
 }
