@@ -16,4 +16,7 @@ else
 fi
 target/release/space admin prepare-template debian --data-dir "$data_dir"
 target/release/space admin prepare-template busybox --data-dir "$data_dir"
+# The code interpreter's template (about 1.5 minutes the first time): E2B's code interpreter
+# SDK creates from it, and a first create should not wait for a build.
+target/release/space admin prepare-template code-interpreter --data-dir "$data_dir"
 exec target/release/space serve --dev --listen 127.0.0.1:7070 --data-dir "$data_dir"

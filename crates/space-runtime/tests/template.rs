@@ -342,11 +342,14 @@ async fn unknown_and_invalid_names_are_rejected() {
 async fn list_shows_builtins_and_ready_templates() {
     let dir = TempDir::new("list");
     let store = TemplateStore::new(dir.path()).unwrap();
-    assert_eq!(TemplateStore::BUILTIN, &["busybox", "debian"]);
+    assert_eq!(
+        TemplateStore::BUILTIN,
+        &["busybox", "debian", "code-interpreter"]
+    );
 
     let list = store.list().unwrap();
     let names: Vec<_> = list.iter().map(|i| i.name.as_str()).collect();
-    assert_eq!(names, ["busybox", "debian"]);
+    assert_eq!(names, ["busybox", "code-interpreter", "debian"]);
     assert!(list
         .iter()
         .all(|i| i.builtin && !i.ready && i.template.is_none()));
@@ -377,6 +380,7 @@ async fn list_shows_builtins_and_ready_templates() {
         summary,
         [
             ("busybox", true, true),
+            ("code-interpreter", false, true),
             ("custom", true, false),
             ("debian", false, true)
         ]

@@ -286,10 +286,10 @@ pub async fn run(cmd: ClientCmd) -> anyhow::Result<i32> {
         ClientCmd::Pool(cmd) => return pool(&c, cmd).await,
         ClientCmd::Templates => {
             let templates = c.templates().await?;
-            println!("{:<12} {:<6} {:<8} SIZE", "NAME", "READY", "BUILTIN");
+            println!("{:<18} {:<6} {:<8} SIZE", "NAME", "READY", "BUILTIN");
             for t in templates {
                 println!(
-                    "{:<12} {:<6} {:<8} {}",
+                    "{:<18} {:<6} {:<8} {}",
                     t.name,
                     t.ready,
                     t.builtin,
