@@ -642,26 +642,17 @@ impl TemplateStore {
                     None,
                 )
             }
-            "debian" => {
+            "debian" | CODE_INTERPRETER => {
+                let (packages, size) = match name {
+                    "debian" => (Vec::new(), ""),
+                    _ => (
+                        CODE_INTERPRETER_PACKAGES.map(str::to_owned).to_vec(),
+                        ": about 1.5 minutes and 1.4 GB",
+                    ),
+                };
+                let extra: String = packages.iter().map(|p| format!(",{p}")).collect();
                 progress(format!(
-                    "building debian with mmdebstrap ({DEBIAN_SUITE}, {DEBIAN_PACKAGES})"
-                ));
-                run_mmdebstrap(name, &rootfs, &[], progress).await?;
-                progress("finishing debian: adding user, cleaning caches".to_owned());
-                let rootfs = rootfs.clone();
-                blocking(name, move || finish_debian(&rootfs)).await?;
-                let env = vec![
-                    ("PATH".to_owned(), DEFAULT_PATH.to_owned()),
-                    ("LANG".to_owned(), "C.UTF-8".to_owned()),
-                ];
-                (env, None, None)
-            }
-            CODE_INTERPRETER => {
-                let packages = CODE_INTERPRETER_PACKAGES.map(str::to_owned);
-                progress(format!(
-                    "building {name} with mmdebstrap ({DEBIAN_SUITE}, {DEBIAN_PACKAGES},{}): \
-                     about 1.5 minutes and 1.4 GB",
-                    packages.join(",")
+                    "building {name} with mmdebstrap ({DEBIAN_SUITE}, {DEBIAN_PACKAGES}{extra}){size}"
                 ));
                 run_mmdebstrap(name, &rootfs, &packages, progress).await?;
                 progress(format!("finishing {name}: adding user, cleaning caches"));

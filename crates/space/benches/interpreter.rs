@@ -38,13 +38,7 @@ fn main() {
         "no {TEMPLATE} template in {}; run scripts/bench.sh",
         templates.display()
     );
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("tokio runtime");
-    let facts = rawsc::machine_facts();
-    eprintln!("bench: {facts}");
+    let (rt, facts) = rawsc::bench_start();
 
     // The local kernel first, alone on the machine.
     eprintln!("bench: local kernel x{FIRSTS}");

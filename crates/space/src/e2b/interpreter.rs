@@ -194,42 +194,32 @@ pub async fn list(State(st): State<E2bState>, headers: HeaderMap) -> Response {
 }
 
 /// `DELETE /contexts/{id}`: 204.
-pub async fn delete(
-    State(st): State<E2bState>,
-    headers: HeaderMap,
-    Path(ctx): Path<String>,
-) -> Response {
-    let (tenant, sandbox) = match envd_caller(&st, &headers).await {
-        Ok(c) => c,
-        Err(r) => return r.into_response(),
-    };
-    match st
-        .service
-        .for_tenant(&tenant)
-        .delete_context(&sandbox, &ctx)
-        .await
-    {
-        Ok(_) => StatusCode::NO_CONTENT.into_response(),
-        Err(e) => service_error(e).into_response(),
-    }
+pub async fn delete(st: State<E2bState>, headers: HeaderMap, ctx: Path<String>) -> Response {
+    on_context(st, headers, ctx, false).await
 }
 
 /// `POST /contexts/{id}/restart`: 204.
-pub async fn restart(
+pub async fn restart(st: State<E2bState>, headers: HeaderMap, ctx: Path<String>) -> Response {
+    on_context(st, headers, ctx, true).await
+}
+
+/// Restarts or deletes a context: 204.
+async fn on_context(
     State(st): State<E2bState>,
     headers: HeaderMap,
     Path(ctx): Path<String>,
+    restart: bool,
 ) -> Response {
     let (tenant, sandbox) = match envd_caller(&st, &headers).await {
         Ok(c) => c,
         Err(r) => return r.into_response(),
     };
-    match st
-        .service
-        .for_tenant(&tenant)
-        .restart_context(&sandbox, &ctx)
-        .await
-    {
+    let scope = st.service.for_tenant(&tenant);
+    let done = match restart {
+        true => scope.restart_context(&sandbox, &ctx).await,
+        false => scope.delete_context(&sandbox, &ctx).await,
+    };
+    match done {
         Ok(_) => StatusCode::NO_CONTENT.into_response(),
         Err(e) => service_error(e).into_response(),
     }

@@ -23,42 +23,11 @@ import httpx
 from e2b import NotFoundException, SandboxException, TimeoutException
 from e2b_code_interpreter import AsyncSandbox, Sandbox
 
-API_KEY = os.environ["E2B_API_KEY"]
-OTHER_KEY = os.environ["SPACE_OTHER_KEY"]
-SANDBOX_URL = os.environ["E2B_SANDBOX_URL"].rstrip("/")
+# The helpers of the E2B SDK script beside this one: checks, and the list of sandboxes to
+# kill on the way out.
+from sdk_sync import API_KEY, OTHER_KEY, SANDBOX_URL, check, cleanup, created, ok, raises
+
 DEADLINE = float(os.environ.get("SPACE_E2B_DEADLINE", "240"))
-
-created = []
-cleanup_lock = threading.Lock()
-
-
-def ok(name):
-    print(f"ok {name}", flush=True)
-
-
-def check(cond, msg):
-    if not cond:
-        raise AssertionError(msg)
-
-
-def raises(exc_type, fn, *args, **kwargs):
-    try:
-        result = fn(*args, **kwargs)
-    except exc_type as e:
-        return e
-    except BaseException as e:
-        raise AssertionError(f"expected {exc_type.__name__}, got {type(e).__name__}: {e}") from e
-    raise AssertionError(f"expected {exc_type.__name__}, got result {result!r}")
-
-
-def cleanup():
-    with cleanup_lock:
-        while created:
-            sandbox_id, key = created.pop()
-            try:
-                Sandbox.kill(sandbox_id, api_key=key, request_timeout=20)
-            except Exception as e:
-                print(f"cleanup: kill {sandbox_id}: {e!r}", file=sys.stderr)
 
 
 def watchdog():
