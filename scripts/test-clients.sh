@@ -7,8 +7,8 @@
 #
 #   Python: target/test-clients/venv/bin/python   (e2b==$PY_VERSION,
 #           e2b-code-interpreter==$CI_VERSION, mcp==$MCP_VERSION)
-#   JS:     target/test-clients/node/node_modules  (e2b@$JS_VERSION; the tests
-#           get it as E2B_NODE_MODULES)
+#   JS:     target/test-clients/node/node_modules  (e2b@$JS_VERSION and
+#           @e2b/code-interpreter@$JS_CI_VERSION; the tests get it as E2B_NODE_MODULES)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -16,6 +16,7 @@ PY_VERSION=2.63.0
 CI_VERSION=2.11.5
 MCP_VERSION=2.3.0
 JS_VERSION=2.51.0
+JS_CI_VERSION=2.8.0
 DIR=target/test-clients
 VENV=$DIR/venv
 NODE=$DIR/node
@@ -41,15 +42,17 @@ if ! py_ok; then
 fi
 
 # --- JS SDK ---
-js_version() {
+js_version() { # [PACKAGE]
   node -e "process.stdout.write(require(process.argv[1]).version)" \
-    "$PWD/$NODE/node_modules/e2b/package.json" 2>/dev/null || true
+    "$PWD/$NODE/node_modules/${1:-e2b}/package.json" 2>/dev/null || true
 }
 command -v node >/dev/null || { echo "test-clients.sh: node (>= 20) is required" >&2; exit 1; }
-if [[ "$(js_version)" != "$JS_VERSION" ]]; then
+if [[ "$(js_version)" != "$JS_VERSION" || "$(js_version @e2b/code-interpreter)" != "$JS_CI_VERSION" ]]; then
   mkdir -p "$NODE"
-  npm install --prefix "$NODE" --no-audit --no-fund --loglevel=error "e2b@$JS_VERSION" >/dev/null
-  [[ "$(js_version)" == "$JS_VERSION" ]] || { echo "test-clients.sh: JS e2b $JS_VERSION not installed" >&2; exit 1; }
+  npm install --prefix "$NODE" --no-audit --no-fund --loglevel=error "e2b@$JS_VERSION" \
+    "@e2b/code-interpreter@$JS_CI_VERSION" >/dev/null
+  [[ "$(js_version)" == "$JS_VERSION" && "$(js_version @e2b/code-interpreter)" == "$JS_CI_VERSION" ]] \
+    || { echo "test-clients.sh: JS e2b $JS_VERSION / @e2b/code-interpreter $JS_CI_VERSION not installed" >&2; exit 1; }
 fi
 
-echo "test clients: python e2b $("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("e2b"), "e2b-code-interpreter", m.version("e2b-code-interpreter"), "mcp", m.version("mcp"))'), js e2b $(js_version)"
+echo "test clients: python e2b $("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("e2b"), "e2b-code-interpreter", m.version("e2b-code-interpreter"), "mcp", m.version("mcp"))'), js e2b $(js_version) @e2b/code-interpreter $(js_version @e2b/code-interpreter)"

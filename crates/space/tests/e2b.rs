@@ -252,6 +252,18 @@ async fn python_code_interpreter_sdk() {
     assert_all_gone(&s, &a).await;
 }
 
+/// The JS code interpreter SDK (`@e2b/code-interpreter`) on the same default template.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn js_code_interpreter_sdk() {
+    if std::env::var("SPACE_TEST_RUNTIME").is_ok_and(|rt| rt != "gvisor") {
+        return; // as python_code_interpreter_sdk
+    }
+    let s = server().await;
+    let (a, b) = (s.new_key("e2b-a"), s.new_key("e2b-b"));
+    run_script(&s, &a, &b, "node", "code_interpreter.mjs");
+    assert_all_gone(&s, &a).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn js_sdk() {
     let s = server().await;
