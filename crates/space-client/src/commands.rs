@@ -10,7 +10,7 @@ use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 
 use crate::output::{OutputDecoder, OutputQuery, OutputStream};
 use crate::stream::decoded;
-use crate::{wait_param, Client, ClientError, Result};
+use crate::{wait_param, ByteStream, Client, ClientError, Result};
 
 /// The handshake request of the attach WebSocket, for `tokio_tungstenite::connect_async`.
 pub type AttachRequest = tungstenite::handshake::client::Request;
@@ -113,6 +113,29 @@ impl Client {
             .get_stream(&["v1", "sandboxes", sb, "commands", cid, "output"], &query)
             .await?;
         Ok(decoded(self.byte_stream(resp), OutputDecoder::new()))
+    }
+
+    /// `GET …/commands/{cid}/output?format=raw&offset=&follow=&stream=`: the view's
+    /// bytes alone, with no framing. The stream ends where the NDJSON form sends its
+    /// result line; [`Client::command`] then has the result.
+    pub async fn command_output_raw(
+        &self,
+        sb: &str,
+        cid: &str,
+        q: &OutputQuery,
+    ) -> Result<ByteStream> {
+        let mut query = vec![
+            ("offset", q.offset.to_string()),
+            ("stream", q.view.as_str().to_string()),
+            ("format", "raw".to_string()),
+        ];
+        if q.follow {
+            query.push(("follow", "true".into()));
+        }
+        let resp = self
+            .get_stream(&["v1", "sandboxes", sb, "commands", cid, "output"], &query)
+            .await?;
+        Ok(self.byte_stream(resp))
     }
 
     /// `ws(s)://…/commands/{cid}/attach[?offset=N]`.

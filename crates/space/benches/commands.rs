@@ -81,18 +81,21 @@ fn main() {
     );
     let mut o_follow = Vec::new();
     let mut o_plain = Vec::new();
+    let mut o_raw = Vec::new();
     let mut r_stream = Vec::new();
     for i in 0..STREAM_RUNS {
         let o = rt.block_on(stream_ours(&c, &ours, STREAM_BYTES));
         let r = stream_raw(&raw, &rid, STREAM_BYTES);
         eprintln!(
-            "bench: stream {i}: ours {:.0} MiB/s (plain re-read {:.0} MiB/s), raw {:.0} MiB/s",
+            "bench: stream {i}: ours {:.0} MiB/s (format=raw {:.0} MiB/s, plain re-read {:.0} MiB/s), raw {:.0} MiB/s",
             mib_per_s(STREAM_BYTES, o.follow),
+            mib_per_s(STREAM_BYTES, o.raw),
             mib_per_s(STREAM_BYTES, o.plain),
             mib_per_s(STREAM_BYTES, r)
         );
         o_follow.push(o.follow);
         o_plain.push(o.plain);
+        o_raw.push(o.raw);
         r_stream.push(r);
     }
     let floor_cmd = format!("/bin/head -c {STREAM_BYTES} /dev/zero > /dev/null");
@@ -104,15 +107,20 @@ fn main() {
     rt.block_on(check_ours(&c, &ours));
     check_raw(&raw, &rid);
 
-    // 2. exec latency of `true` at each concurrency.
-    eprintln!("bench: exec true, {CALLS} calls at each of {CLIENTS:?} clients (each side)");
+    // 2. exec latency of `true` at each concurrency (SPACE_BENCH_STREAM_ONLY=1 skips it).
+    let levels_wanted: &[usize] = if std::env::var_os("SPACE_BENCH_STREAM_ONLY").is_some() {
+        &[]
+    } else {
+        &CLIENTS
+    };
+    eprintln!("bench: exec true, {CALLS} calls at each of {levels_wanted:?} clients (each side)");
     let warm = latency_client(&server);
     for _ in 0..EXEC_WARMUPS {
         rt.block_on(timed_true(&warm, &ours));
         raw.exec(&rid, &["/bin/true"]);
     }
     let mut levels = Vec::new();
-    for clients in CLIENTS {
+    for &clients in levels_wanted {
         let calls = CALLS.div_ceil(clients);
         let t0 = Instant::now();
         let o = rt.block_on(latency_ours(&server, &ours, clients, calls));
@@ -160,6 +168,24 @@ fn main() {
         &stream,
         "min",
         rate(max(&o_follow)),
+        rate(max(&r_stream)),
+        "MiB/s",
+    );
+    let raw_stream = format!(
+        "stdout {} MiB, format=raw, MiB/s (n={STREAM_RUNS})",
+        STREAM_BYTES >> 20
+    );
+    row(
+        &raw_stream,
+        "median",
+        rate(median(&o_raw)),
+        rate(median(&r_stream)),
+        "MiB/s",
+    );
+    row(
+        &raw_stream,
+        "min",
+        rate(max(&o_raw)),
         rate(max(&r_stream)),
         "MiB/s",
     );
@@ -215,7 +241,10 @@ fn main() {
         "notes: ratio = ours / raw (above 1 is better for MiB/s and calls/s, worse for ms). \
          ours stream = POST, then GET output?follow=true&stream=stdout from the POST's answer \
          until the result line, every chunk base64-decoded, its offset checked and its bytes \
-         checked to be zero; the server keeps all output (--output-cap-mib 0). raw stream = a \
+         checked to be zero; format=raw = the same, another command, with \
+         GET output?follow=true&stream=stdout&format=raw (bytes alone, each checked to be \
+         zero) and then GET of the command for its result; the server keeps all output \
+         (--output-cap-mib 0). raw stream = a \
          whole `runsc exec /bin/head` process, stdout counted through a pipe; re-read = GET \
          output?stream=stdout without follow after the end; head to /dev/null = `runsc exec \
          /bin/sh -c 'head ... > /dev/null'`; head | cat = the same through one pipe in the \
@@ -247,6 +276,9 @@ struct OurStream {
     follow: Duration,
     /// A whole read of the output without `follow`, after the command ended.
     plain: Duration,
+    /// Another command's output followed with `format=raw`, from the POST to its
+    /// result read after the body's end.
+    raw: Duration,
 }
 
 /// `head -c bytes /dev/zero` through our API, its stdout followed to the end
@@ -271,7 +303,52 @@ async fn stream_ours(c: &Client, sb: &str, bytes: u64) -> OurStream {
     let (count, end) = read_output(c, &cmd, false).await;
     let plain = t0.elapsed();
     check_stream(&cmd, count, &end, bytes);
-    OurStream { follow, plain }
+
+    // The same again, another command, followed as raw bytes (`format=raw`), then its
+    // result from `GET …/commands/{cid}`.
+    let t0 = Instant::now();
+    let cmd = c.create_command(sb, &req).await.expect("POST commands");
+    let count = read_raw(c, &cmd).await;
+    let done = c
+        .command(sb, &cmd.id, None)
+        .await
+        .expect("GET the command after its raw output");
+    let raw = t0.elapsed();
+    let end = End {
+        state: done.state,
+        result: done.result,
+    };
+    check_stream(&cmd, count, &end, bytes);
+    OurStream { follow, plain, raw }
+}
+
+/// Follows one command's stdout as raw bytes to its end, checking they are zeros.
+async fn read_raw(c: &Client, cmd: &Command) -> u64 {
+    let what = format!("raw output of {}", cmd.id);
+    let read = async {
+        let q = OutputQuery {
+            offset: 0,
+            follow: true,
+            view: OutputView::Stdout,
+        };
+        let mut body = c
+            .command_output_raw(&cmd.sandbox_id, &cmd.id, &q)
+            .await
+            .expect("raw output request");
+        let mut count = 0u64;
+        while let Some(data) = body.next().await {
+            let data = data.unwrap_or_else(|e| panic!("{what}: {e}"));
+            assert!(
+                data.iter().all(|b| *b == 0),
+                "{what}: a non-zero byte near offset {count}"
+            );
+            count += data.len() as u64;
+        }
+        count
+    };
+    tokio::time::timeout(STREAM_LIMIT, read)
+        .await
+        .unwrap_or_else(|_| panic!("reading {what} took over {STREAM_LIMIT:?}"))
 }
 
 /// How a stream of ours ended: its state and result.

@@ -462,3 +462,69 @@ async fn timeouts_and_kills_reach_setsid_descendants() {
     assert_eq!(alive["stdout"], "1\n", "{alive}");
     s.destroy(&sb).await;
 }
+
+/// `format=raw`: a view's bytes alone, exactly as written (not UTF-8 included), from
+/// any offset, followed while the command runs; the command then has the result.
+/// A format that is neither raw nor ndjson is a 400.
+#[tokio::test]
+async fn output_format_raw_is_the_bytes_alone() {
+    let s = TestServer::start().await;
+    let sb = s.create("busybox").await;
+    let raw = |cid: &str, q: &str| {
+        let req = s.req(
+            reqwest::Method::GET,
+            &format!("/v1/sandboxes/{sb}/commands/{cid}/output?format=raw&{q}"),
+        );
+        async move {
+            let r = req.send().await.unwrap();
+            let status = r.status().as_u16();
+            let kind = r
+                .headers()
+                .get("content-type")
+                .map(|v| v.to_str().unwrap().to_string());
+            (status, kind, r.bytes().await.unwrap().to_vec())
+        }
+    };
+    // Followed from the start while the command still runs.
+    let cid = start(
+        &s,
+        &sb,
+        json!({"shell": "printf 'a\\377\\000b'; printf 'err' >&2; sleep 1; printf 'c\\n'"}),
+    )
+    .await;
+    let (status, kind, body) = raw(&cid, "follow=true&stream=stdout").await;
+    assert_eq!(status, 200);
+    assert_eq!(kind.as_deref(), Some("application/octet-stream"));
+    assert_eq!(body, b"a\xff\x00bc\n");
+    let (st, cmd) = s.get(&format!("/v1/sandboxes/{sb}/commands/{cid}")).await;
+    assert_eq!(st, 200);
+    assert_eq!(cmd["result"]["exit_code"], 0, "{cmd}");
+    // The other views, and an offset into one.
+    assert_eq!(raw(&cid, "stream=stderr").await.2, b"err");
+    let combined = raw(&cid, "stream=combined").await.2;
+    assert_eq!(combined.len(), 9, "{combined:?}");
+    assert_eq!(raw(&cid, "stream=stdout&offset=3").await.2, b"bc\n");
+    assert_eq!(raw(&cid, "stream=stdout&offset=99").await.2, b"");
+    // NDJSON is still the default, and says the same bytes.
+    let (chunks, end) = s
+        .output(
+            &sb,
+            &cid,
+            space_client::OutputQuery {
+                offset: 0,
+                follow: false,
+                view: space_client::OutputView::Stdout,
+            },
+        )
+        .await;
+    assert_eq!(decode(&chunks, None), b"a\xff\x00bc\n");
+    assert!(end.is_some());
+    for bad in ["format=json", "format=", "format=RAW"] {
+        let (st, v) = s
+            .get(&format!("/v1/sandboxes/{sb}/commands/{cid}/output?{bad}"))
+            .await;
+        assert_eq!(st, 400, "{bad}: {v}");
+        assert_eq!(v["error"]["code"], "invalid_query", "{bad}: {v}");
+    }
+    s.destroy(&sb).await;
+}

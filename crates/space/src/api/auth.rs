@@ -26,9 +26,10 @@ pub async fn auth(State(state): State<AppState>, mut req: Request, next: Next) -
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
-        .map(str::trim);
+        .map(|v| v.trim().to_string())
+        .or_else(|| websocket_bearer(req.headers()));
     let principal = match presented {
-        Some(p) => match state.service.authenticate(p) {
+        Some(p) => match state.service.authenticate(&p) {
             Ok(t) => t,
             Err(e) => return HttpError(e).into_response(),
         },
@@ -73,6 +74,30 @@ pub async fn auth(State(state): State<AppState>, mut req: Request, next: Next) -
         },
     );
     Response::from_parts(parts, Body::from_stream(stream))
+}
+
+/// The subprotocol prefix that carries a bearer token on a WebSocket handshake: a
+/// browser cannot set `Authorization` there, and a token in the URL would end up in
+/// logs and history. The client offers `space.attach.v1` and
+/// `space.bearer.<base64url of the token, unpadded>`; the server answers with
+/// `space.attach.v1` only, so the token is never echoed.
+pub const WS_BEARER_PREFIX: &str = "space.bearer.";
+
+/// The token of a [`WS_BEARER_PREFIX`] subprotocol, if a WebSocket upgrade offers one.
+fn websocket_bearer(headers: &axum::http::HeaderMap) -> Option<String> {
+    use base64::Engine as _;
+    headers
+        .get_all(header::SEC_WEBSOCKET_PROTOCOL)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .find_map(|p| p.trim().strip_prefix(WS_BEARER_PREFIX))
+        .and_then(|b| {
+            base64::engine::general_purpose::URL_SAFE_NO_PAD
+                .decode(b)
+                .ok()
+        })
+        .and_then(|b| String::from_utf8(b).ok())
 }
 
 /// Answers 404 for a sandbox, command, operation or template that is not the

@@ -12,7 +12,7 @@ use base64::Engine;
 use bytes::Bytes;
 use serde::Deserialize;
 use space_agent::protocol::Stream;
-use space_api::{CommandList, CreateCommandRequest, OutputChunk, OutputEnd};
+use space_api::{CommandList, CreateCommandRequest, OutputEnd};
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::StreamExt;
 
@@ -84,6 +84,8 @@ struct OutputQuery {
     follow: Option<bool>,
     /// `stdout`, `stderr` or `combined` (default).
     stream: Option<String>,
+    /// `ndjson` (default) or `raw`: the view's bytes alone, as they are.
+    format: Option<String>,
 }
 
 pub async fn output(
@@ -108,27 +110,48 @@ pub async fn output(
             )
         }
     };
+    let raw = match q.format.as_deref() {
+        None | Some("ndjson") => false,
+        Some("raw") => true,
+        Some(_) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                ErrorCode::InvalidQuery,
+                "format must be ndjson or raw",
+            )
+        }
+    };
     let query = CommandOutputQuery {
         offset: q.offset.unwrap_or(0),
         follow: q.follow.unwrap_or(false),
         view,
     };
-    match st
+    let rx = match st
         .service
         .for_tenant(&tenant)
         .command_output(&id, &cid, query)
     {
-        Ok(rx) => {
-            let stream = ReceiverStream::new(rx)
-                .map(|ev| Ok::<_, std::convert::Infallible>(ndjson_line(ev)));
-            Response::builder()
-                .header(header::CONTENT_TYPE, "application/x-ndjson")
-                .header(header::CACHE_CONTROL, "no-store")
-                .body(Body::from_stream(stream))
-                .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
-        }
-        Err(e) => HttpError(e).into_response(),
-    }
+        Ok(rx) => rx,
+        Err(e) => return HttpError(e).into_response(),
+    };
+    // Raw: the bytes only, no framing to encode or decode; the body ends where the
+    // NDJSON would have sent its result line (`GET …/commands/{cid}` then has it).
+    let (kind, body) = if raw {
+        let stream = ReceiverStream::new(rx).filter_map(|ev| match ev {
+            OutputEvent::Chunk { data, .. } => Some(Ok::<_, std::convert::Infallible>(data)),
+            OutputEvent::End(_) => None,
+        });
+        ("application/octet-stream", Body::from_stream(stream))
+    } else {
+        let stream =
+            ReceiverStream::new(rx).map(|ev| Ok::<_, std::convert::Infallible>(ndjson_line(ev)));
+        ("application/x-ndjson", Body::from_stream(stream))
+    };
+    Response::builder()
+        .header(header::CONTENT_TYPE, kind)
+        .header(header::CACHE_CONTROL, "no-store")
+        .body(body)
+        .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
 }
 
 #[derive(Deserialize)]
@@ -184,16 +207,24 @@ pub fn parse_signal(v: &serde_json::Value) -> Option<i32> {
 /// One NDJSON line: a chunk (`{stream, offset, data}`) or the end (`{"result", "state"}`).
 fn ndjson_line(ev: OutputEvent) -> Bytes {
     let v = match ev {
+        // An `OutputChunk`, written straight into one buffer: no intermediate value,
+        // no escaping pass over base64 (which has nothing to escape).
         OutputEvent::Chunk {
             stream,
             offset,
             data,
-        } => serde_json::to_value(OutputChunk {
-            stream: stream_name(stream).into(),
-            offset,
-            data: base64::engine::general_purpose::STANDARD.encode(&data),
-        }),
-        OutputEvent::End(cmd) => Ok(match cmd.result.clone() {
+        } => {
+            let mut line = String::with_capacity(data.len().div_ceil(3) * 4 + 64);
+            line.push_str("{\"stream\":\"");
+            line.push_str(stream_name(stream));
+            line.push_str("\",\"offset\":");
+            line.push_str(&offset.to_string());
+            line.push_str(",\"data\":\"");
+            base64::engine::general_purpose::STANDARD.encode_string(&data, &mut line);
+            line.push_str("\"}\n");
+            return Bytes::from(line);
+        }
+        OutputEvent::End(cmd) => match cmd.result.clone() {
             Some(result) => serde_json::to_value(OutputEnd {
                 result,
                 state: cmd.state,
@@ -202,9 +233,9 @@ fn ndjson_line(ev: OutputEvent) -> Bytes {
             None => serde_json::json!({
                 "result": null, "state": cmd.state, "lost_reason": cmd.lost_reason
             }),
-        }),
+        },
     };
-    let mut line = serde_json::to_vec(&v.unwrap_or_default()).unwrap_or_default();
+    let mut line = serde_json::to_vec(&v).unwrap_or_default();
     line.push(b'\n');
     Bytes::from(line)
 }
@@ -272,6 +303,10 @@ enum Control {
     Signal { signal: serde_json::Value },
 }
 
+/// The subprotocol a browser offers (with its token, see `auth::WS_BEARER_PREFIX`)
+/// and gets back; clients that set `Authorization` need not offer any.
+const ATTACH_PROTOCOL: &str = "space.attach.v1";
+
 /// `GET …/commands/{cid}/attach`: a WebSocket carrying input, output and resize.
 ///
 /// Server → client: binary messages whose first byte is the stream (1 stdout, 2
@@ -305,6 +340,7 @@ pub async fn attach(
     };
     let svc = st.service.clone();
     ws.max_message_size(MAX_STDIN_BODY)
+        .protocols([ATTACH_PROTOCOL])
         .on_upgrade(move |socket| attach_session(svc, principal, id, cid, socket, output))
 }
 
@@ -377,6 +413,38 @@ async fn attach_session(
                     }
                 }
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The hand-written chunk line is exactly an `OutputChunk`, for either stream,
+    /// any offset and any bytes (empty, not UTF-8, a base64 tail of one or two).
+    #[test]
+    fn a_chunk_line_is_an_output_chunk() {
+        for (stream, offset, data) in [
+            (Stream::Stdout, 0, Vec::new()),
+            (Stream::Stderr, u64::MAX, vec![0xff, 0, b'"', b'\\', b'\n']),
+            (Stream::Stdout, 7, b"a".to_vec()),
+            (Stream::Stdout, 1 << 40, (0..=255u8).collect()),
+        ] {
+            let line = ndjson_line(OutputEvent::Chunk {
+                stream,
+                offset,
+                data: Bytes::from(data.clone()),
+            });
+            assert_eq!(line.last(), Some(&b'\n'));
+            assert_eq!(line.iter().filter(|b| **b == b'\n').count(), 1);
+            let got: space_api::OutputChunk = serde_json::from_slice(&line).unwrap();
+            assert_eq!(got.stream, stream_name(stream));
+            assert_eq!(got.offset, offset);
+            let bytes = base64::engine::general_purpose::STANDARD
+                .decode(&got.data)
+                .unwrap();
+            assert_eq!(bytes, data);
         }
     }
 }

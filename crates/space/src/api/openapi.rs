@@ -43,8 +43,8 @@ enum Body {
 #[derive(Clone, Copy)]
 enum Ok {
     Json(u16, fn(&mut SchemaGenerator) -> Value),
-    /// A body of this media type, described as a string.
-    Media(u16, &'static str),
+    /// A body of one of these media types (the first is the default).
+    Media(u16, &'static [&'static str]),
     Empty(u16),
     /// `101 Switching Protocols` to a WebSocket.
     Upgrade,
@@ -93,18 +93,18 @@ const ROUTES: &[Route] = &[
     Route { method: "post", path: "/v1/sandboxes/:id/commands", operation_id: "createCommand", tag: "commands", summary: "Start a command; with `wait:true` the response carries its result and output", query: &[], body: Body::Json(s::<space_api::CreateCommandRequest>), ok: Ok::Json(201, s::<space_api::Command>), errors: &[400, 404, 409, 413, 429, 503], auth: true },
     Route { method: "get", path: "/v1/sandboxes/:id/commands", operation_id: "listCommands", tag: "commands", summary: "List a sandbox's commands", query: &[], body: Body::None, ok: Ok::Json(200, s::<space_api::CommandList>), errors: ID, auth: true },
     Route { method: "get", path: "/v1/sandboxes/:id/commands/:cid", operation_id: "getCommand", tag: "commands", summary: "Get a command; `wait` long-polls until it ends", query: &["wait"], body: Body::None, ok: Ok::Json(200, s::<space_api::Command>), errors: ID_Q, auth: true },
-    Route { method: "get", path: "/v1/sandboxes/:id/commands/:cid/output", operation_id: "commandOutput", tag: "commands", summary: "NDJSON stream of `{stream, offset, data}` chunks (data base64), then `{result, state}`", query: &["offset", "follow", "stream"], body: Body::None, ok: Ok::Media(200, "application/x-ndjson"), errors: &[400, 404, 429], auth: true },
+    Route { method: "get", path: "/v1/sandboxes/:id/commands/:cid/output", operation_id: "commandOutput", tag: "commands", summary: "NDJSON stream of `{stream, offset, data}` chunks (data base64), then `{result, state}`; `format=raw`: the view's bytes alone", query: &["offset", "follow", "stream", "format@output"], body: Body::None, ok: Ok::Media(200, &["application/x-ndjson", "application/octet-stream"]), errors: &[400, 404, 429], auth: true },
     Route { method: "post", path: "/v1/sandboxes/:id/commands/:cid/signal", operation_id: "signalCommand", tag: "commands", summary: "Send a signal to a command", query: &[], body: Body::Json(signal_request), ok: Ok::Json(200, s::<space_api::Command>), errors: ID_BODY, auth: true },
     Route { method: "post", path: "/v1/sandboxes/:id/commands/:cid/stdin", operation_id: "commandStdin", tag: "commands", summary: "Write the raw body to a command's stdin (`eof=true` closes it after)", query: &["eof"], body: Body::Octets, ok: Ok::Empty(204), errors: ID_BODY, auth: true },
     Route { method: "get", path: "/v1/sandboxes/:id/commands/:cid/attach", operation_id: "attachCommand", tag: "commands", summary: "WebSocket: binary frames are stdin / stream-tagged output, text frames JSON controls", query: &["offset"], body: Body::None, ok: Ok::Upgrade, errors: &[400, 404, 426], auth: true },
-    Route { method: "get", path: "/v1/sandboxes/:id/files", operation_id: "downloadFile", tag: "files", summary: "Download a file (raw) or a directory (`format=tar`)", query: &["path", "format"], body: Body::None, ok: Ok::Media(200, "application/octet-stream"), errors: FILES, auth: true },
+    Route { method: "get", path: "/v1/sandboxes/:id/files", operation_id: "downloadFile", tag: "files", summary: "Download a file (raw) or a directory (`format=tar`)", query: &["path", "format"], body: Body::None, ok: Ok::Media(200, &["application/octet-stream", "application/x-tar"]), errors: FILES, auth: true },
     Route { method: "put", path: "/v1/sandboxes/:id/files", operation_id: "uploadFile", tag: "files", summary: "Upload a file (raw body) or unpack a tar (`format=tar`, `gzip=true`)", query: &["path", "format", "gzip", "mode", "uid", "gid", "parents"], body: Body::Octets, ok: Ok::Json(201, file_result), errors: &[400, 404, 409, 413, 429, 502, 503, 507], auth: true },
     Route { method: "delete", path: "/v1/sandboxes/:id/files", operation_id: "removeFile", tag: "files", summary: "Remove a file or (with `recursive=true`) a directory tree", query: &["path", "recursive"], body: Body::None, ok: Ok::Json(200, file_result), errors: FILES, auth: true },
     Route { method: "post", path: "/v1/sandboxes/:id/contexts", operation_id: "createContext", tag: "contexts", summary: "Start a code context (a Python kernel or a bash) in a code-interpreter sandbox", query: &[], body: Body::Json(s::<space_api::CreateContextRequest>), ok: Ok::Json(201, s::<space_api::CodeContext>), errors: &[400, 404, 409, 413, 429, 503], auth: true },
     Route { method: "get", path: "/v1/sandboxes/:id/contexts", operation_id: "listContexts", tag: "contexts", summary: "List a sandbox's code contexts", query: &[], body: Body::None, ok: Ok::Json(200, s::<space_api::ContextList>), errors: &[404, 409, 429, 503], auth: true },
     Route { method: "delete", path: "/v1/sandboxes/:id/contexts/:ctx", operation_id: "deleteContext", tag: "contexts", summary: "Stop a code context", query: &[], body: Body::None, ok: Ok::Json(200, s::<space_api::CodeContext>), errors: &[404, 409, 429, 503], auth: true },
     Route { method: "post", path: "/v1/sandboxes/:id/contexts/:ctx/restart", operation_id: "restartContext", tag: "contexts", summary: "Restart a code context's kernel (its state is lost)", query: &[], body: Body::None, ok: Ok::Json(200, s::<space_api::CodeContext>), errors: &[404, 409, 429, 503], auth: true },
-    Route { method: "post", path: "/v1/sandboxes/:id/contexts/:ctx/execute", operation_id: "executeCode", tag: "contexts", summary: "Run code in a context: NDJSON of `stdout`, `stderr`, `result` (a MIME bundle), `error`, then `end` with the recording command's id", query: &[], body: Body::Json(s::<space_api::ExecuteRequest>), ok: Ok::Media(200, "application/x-ndjson"), errors: &[400, 404, 409, 413, 429, 503], auth: true },
+    Route { method: "post", path: "/v1/sandboxes/:id/contexts/:ctx/execute", operation_id: "executeCode", tag: "contexts", summary: "Run code in a context: NDJSON of `stdout`, `stderr`, `result` (a MIME bundle), `error`, then `end` with the recording command's id", query: &[], body: Body::Json(s::<space_api::ExecuteRequest>), ok: Ok::Media(200, &["application/x-ndjson"]), errors: &[400, 404, 409, 413, 429, 503], auth: true },
     Route { method: "get", path: "/v1/sandboxes/:id/files/list", operation_id: "listFiles", tag: "files", summary: "List a directory", query: &["path", "depth"], body: Body::None, ok: Ok::Json(200, file_result), errors: FILES, auth: true },
     Route { method: "get", path: "/v1/sandboxes/:id/files/stat", operation_id: "statFile", tag: "files", summary: "Stat a path", query: &["path"], body: Body::None, ok: Ok::Json(200, file_result), errors: FILES, auth: true },
     Route { method: "post", path: "/v1/sandboxes/:id/files/mkdir", operation_id: "mkdir", tag: "files", summary: "Create a directory and its parents", query: &[], body: Body::Json(mkdir_request), ok: Ok::Json(201, file_result), errors: &[400, 404, 409, 413, 502, 503, 507], auth: true },
@@ -115,12 +115,12 @@ const ROUTES: &[Route] = &[
     Route { method: "get", path: "/v1/templates", operation_id: "listTemplates", tag: "templates", summary: "List templates", query: &[], body: Body::None, ok: Ok::Json(200, s::<space_api::TemplateList>), errors: &[], auth: true },
     Route { method: "post", path: "/v1/templates", operation_id: "buildTemplate", tag: "templates", summary: "Build a template from a recipe (202 + a `build` operation)", query: &[], body: Body::Json(recipe), ok: Ok::Json(202, s::<space_api::Operation>), errors: &[400, 409, 413, 429, 503], auth: true },
     Route { method: "delete", path: "/v1/templates/:name", operation_id: "deleteTemplate", tag: "templates", summary: "Delete a built template (409 if built in or in use)", query: &[], body: Body::None, ok: Ok::Empty(204), errors: &[400, 404, 409], auth: true },
-    Route { method: "get", path: "/v1/operations/:id/log", operation_id: "operationLog", tag: "operations", summary: "A build's log as text; `follow=true` streams until it ends", query: &["follow"], body: Body::None, ok: Ok::Media(200, "text/plain"), errors: &[400, 404, 429], auth: true },
-    Route { method: "get", path: "/v1/events", operation_id: "events", tag: "server", summary: "Server-sent events of sandbox and operation changes (`Last-Event-ID` or `after` resumes)", query: &["after"], body: Body::None, ok: Ok::Media(200, "text/event-stream"), errors: &[400, 429], auth: true },
+    Route { method: "get", path: "/v1/operations/:id/log", operation_id: "operationLog", tag: "operations", summary: "A build's log as text; `follow=true` streams until it ends", query: &["follow"], body: Body::None, ok: Ok::Media(200, &["text/plain"]), errors: &[400, 404, 429], auth: true },
+    Route { method: "get", path: "/v1/events", operation_id: "events", tag: "server", summary: "Server-sent events of sandbox and operation changes (`Last-Event-ID` or `after` resumes)", query: &["after"], body: Body::None, ok: Ok::Media(200, &["text/event-stream"]), errors: &[400, 429], auth: true },
     Route { method: "get", path: "/v1/pools", operation_id: "listPools", tag: "pools", summary: "Warm pools, with their ready and booting sandboxes (the server's token only)", query: &[], body: Body::None, ok: Ok::Json(200, s::<space_api::PoolList>), errors: &[403], auth: true },
     Route { method: "put", path: "/v1/pools", operation_id: "setPool", tag: "pools", summary: "Create a warm pool or set its size (the server's token only)", query: &[], body: Body::Json(s::<space_api::PoolSpec>), ok: Ok::Json(200, s::<space_api::Pool>), errors: &[400, 403, 404, 413], auth: true },
     Route { method: "delete", path: "/v1/pools/:id", operation_id: "deletePool", tag: "pools", summary: "Remove a warm pool; its sandboxes are destroyed (the server's token only)", query: &[], body: Body::None, ok: Ok::Empty(204), errors: &[403, 404], auth: true },
-    Route { method: "get", path: "/metrics", operation_id: "metrics", tag: "server", summary: "Prometheus metrics in the text format (the server's token only)", query: &[], body: Body::None, ok: Ok::Media(200, "text/plain"), errors: &[403], auth: true },
+    Route { method: "get", path: "/metrics", operation_id: "metrics", tag: "server", summary: "Prometheus metrics in the text format (the server's token only)", query: &[], body: Body::None, ok: Ok::Media(200, &["text/plain"]), errors: &[403], auth: true },
     Route { method: "get", path: "/v1/runtimes", operation_id: "listRuntimes", tag: "server", summary: "The runtimes this server has and whether each works here", query: &[], body: Body::None, ok: Ok::Json(200, runtimes), errors: &[], auth: true },
     Route { method: "get", path: "/v1/openapi.json", operation_id: "openapi", tag: "server", summary: "This document", query: &[], body: Body::None, ok: Ok::Json(200, any_object), errors: &[], auth: true },
 ];
@@ -197,6 +197,11 @@ fn query_param(name: &str) -> Value {
             false,
             "`tar` for a directory",
         ),
+        "format@output" => (
+            json!({"type": "string", "enum": ["ndjson", "raw"]}),
+            false,
+            "`raw`: the view's bytes alone, no framing (the result is then `GET …/commands/{cid}`)",
+        ),
         "gzip" => (
             json!({"type": "boolean"}),
             false,
@@ -244,7 +249,9 @@ fn query_param(name: &str) -> Value {
         ),
         _ => (json!({"type": "string"}), false, ""),
     };
-    let mut p = json!({"name": name, "in": "query", "required": required, "description": description, "schema": schema});
+    // `name@route`: a parameter whose schema differs on one route.
+    let shown = name.split('@').next().unwrap_or(name);
+    let mut p = json!({"name": shown, "in": "query", "required": required, "description": description, "schema": schema});
     if let Some(e) = query_example(name) {
         p["example"] = e;
     }
@@ -468,12 +475,13 @@ fn operation(route: &Route, g: &mut SchemaGenerator) -> Value {
         }
         Ok::Media(code, media) => {
             let mut content = Map::new();
-            content.insert(media.into(), json!({"schema": {"type": "string"}}));
-            if media == "application/octet-stream" {
-                content.insert(
-                    "application/x-tar".into(),
-                    json!({"schema": {"type": "string", "format": "binary"}}),
-                );
+            for (i, m) in media.iter().enumerate() {
+                let schema = if i == 0 {
+                    json!({"type": "string"})
+                } else {
+                    json!({"type": "string", "format": "binary"})
+                };
+                content.insert((*m).into(), json!({ "schema": schema }));
             }
             responses.insert(
                 code.to_string(),
