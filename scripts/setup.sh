@@ -50,6 +50,14 @@ if [ "${#missing[@]}" -gt 0 ]; then
   apt-get install -y -q "${missing[@]}" >/dev/null
 fi
 
+# The web console (console/) is bundled by `cargo build` (crates/space/build.rs) with
+# node and npm. Debian's nodejs (18) is enough; a newer node already here is kept.
+if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
+  echo "setup: installing nodejs npm (the web console's build)"
+  apt_update
+  apt-get install -y -q nodejs npm >/dev/null
+fi
+
 # The microVM guest: kernel + initramfs (QEMU, busybox-static, cpio come with it).
 scripts/build-guest.sh "${SPACE_GUEST_DIR:-$PWD/target/guest}"
 

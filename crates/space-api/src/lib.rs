@@ -348,6 +348,17 @@ pub struct Pool {
     pub updated_at: String,
 }
 
+/// Who the caller's credential stands for (`GET /v1/whoami`).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, JsonSchema)]
+pub struct Whoami {
+    /// The tenant whose objects the credential sees.
+    pub tenant: String,
+    /// The API key's id (`null` for the server's own token); never the key.
+    pub key_id: Option<String>,
+    /// The server's own token: it alone manages pools and reads `/metrics`.
+    pub operator: bool,
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, JsonSchema)]
 pub struct PoolList {
     pub pools: Vec<Pool>,

@@ -62,6 +62,20 @@ impl Principal {
         self.key_id.is_none()
     }
 
+    /// The id of the API key (`None` for the server's own token).
+    pub fn key_id(&self) -> Option<&str> {
+        self.key_id.as_deref()
+    }
+
+    /// What the caller may know about itself (`GET /v1/whoami`).
+    pub fn whoami(&self) -> space_api::Whoami {
+        space_api::Whoami {
+            tenant: self.tenant.as_str().to_string(),
+            key_id: self.key_id().map(str::to_string),
+            operator: self.is_server(),
+        }
+    }
+
     /// The server's own token.
     pub fn server() -> Principal {
         Principal {

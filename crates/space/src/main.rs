@@ -3,6 +3,7 @@
 mod api;
 mod cli;
 mod cli_files;
+mod console;
 mod doctor;
 mod e2b;
 mod keys;

@@ -847,3 +847,39 @@ async fn sandbox_resources_are_capped_by_the_server() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--max-vcpus"));
 }
+
+/// `GET /v1/whoami`: the tenant of the credential, its key id (the one `space keys ls`
+/// shows, never the key), and whether it is the server's own token; a revoked key and
+/// no key get a 401 there too.
+#[tokio::test]
+async fn whoami_names_the_tenant_of_the_credential() {
+    let s = TestServer::start().await;
+    let (status, me) = s.get("/v1/whoami").await;
+    assert_eq!(status, 200, "{me}");
+    assert_eq!(
+        me,
+        json!({"tenant": "default", "key_id": null, "operator": true})
+    );
+    let key = new_key(&s, "acme");
+    let r = call(&s, &key, Method::GET, "/v1/whoami", None).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let me = r.body;
+    assert_eq!(me["tenant"], "acme");
+    assert_eq!(me["operator"], false);
+    assert!(!me.to_string().contains(&key), "whoami shows the key: {me}");
+    let id = me["key_id"].as_str().expect("a key id").to_string();
+    let data = s.data_dir().to_str().unwrap();
+    let ls = space(&["keys", "ls", "--data-dir", data]);
+    let ls = String::from_utf8(ls.stdout).unwrap();
+    assert!(
+        ls.lines().any(|l| l.split_whitespace().next() == Some(&id)),
+        "{id} is not in {ls}"
+    );
+    assert!(space(&["keys", "revoke", &id, "--data-dir", data])
+        .status
+        .success());
+    let r = call(&s, &key, Method::GET, "/v1/whoami", None).await;
+    assert_eq!(r.status, 401, "{}", r.body);
+    let r = reqwest::get(format!("{}/v1/whoami", s.url)).await.unwrap();
+    assert_eq!(r.status(), 401);
+}

@@ -105,6 +105,14 @@ pub fn router(state: AppState, extra: Router<AppState>) -> Router {
         .route("/pools/:id", axum::routing::delete(pools::delete))
         .route("/openapi.json", get(openapi::document))
         .route(
+            "/whoami",
+            get(
+                |axum::Extension(p): axum::Extension<space_service::Principal>| async move {
+                    Json(p.whoami())
+                },
+            ),
+        )
+        .route(
             "/runtimes",
             get(|State(st): State<AppState>| async move {
                 Json(serde_json::json!({ "runtimes": st.service.runtimes_info() }))
@@ -127,6 +135,7 @@ pub fn router(state: AppState, extra: Router<AppState>) -> Router {
         )
         .nest("/v1", v1)
         .merge(metrics)
+        .merge(crate::console::router())
         .merge(extra.route_layer(middleware::from_fn_with_state(state.clone(), observe)))
         .fallback(not_found)
         .with_state(state)
