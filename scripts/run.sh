@@ -19,4 +19,5 @@ target/release/space admin prepare-template busybox --data-dir "$data_dir"
 # The code interpreter's template (about 1.5 minutes the first time): E2B's code interpreter
 # SDK creates from it, and a first create should not wait for a build.
 target/release/space admin prepare-template code-interpreter --data-dir "$data_dir"
+echo "run.sh: the web console will be at http://127.0.0.1:7070/ (sign in with the dev token, \$SPACE_DEV_TOKEN or space-dev-token)"
 exec target/release/space serve --dev --listen 127.0.0.1:7070 --data-dir "$data_dir"
