@@ -141,6 +141,19 @@ impl Service {
         Ok(self.decorate(self.record(id)?.sandbox))
     }
 
+    /// A sandbox event's object with what [`Self::decorate`] computes, as of the event's
+    /// delivery: the stored object carries no cost. Another object is left as it is.
+    pub(crate) fn decorate_event(&self, event: &mut space_api::Event) {
+        if event.kind != "sandbox" {
+            return;
+        }
+        if let Ok(sb) = serde_json::from_value::<Sandbox>(event.object.clone()) {
+            if let Ok(v) = serde_json::to_value(self.decorate(sb)) {
+                event.object = v;
+            }
+        }
+    }
+
     /// Fills in what is computed rather than stored: cost and the idle deadline.
     /// Memory comes from the last sample (a request never scans `/proc`); disk is one
     /// `statfs` of the sandbox's own filesystem. Blocking: call it off the async threads.

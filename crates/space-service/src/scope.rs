@@ -596,12 +596,15 @@ impl EventFeed {
         let deadline = tokio::time::Instant::now() + idle;
         loop {
             self.latest.borrow_and_update();
-            let events = self
+            let mut events = self
                 .svc
                 .for_tenant(&self.tenant)
                 .events_after(self.after, limit)?;
             if let Some(last) = events.last() {
                 self.after = last.id;
+                for e in &mut events {
+                    self.svc.decorate_event(e);
+                }
                 return Ok(events);
             }
             tokio::select! {

@@ -354,6 +354,12 @@ async fn events_resume_from_last_event_id() {
     let s = TestServer::start().await;
     let sb = s.create("busybox").await;
     let running = s.wait_state(&sb, "running", Duration::from_secs(10)).await;
+    // An event's sandbox carries its cost as of the event's delivery, as a GET would.
+    assert!(
+        running.object["cost"]["disk_bytes"].as_u64().is_some(),
+        "{:?}",
+        running.object
+    );
     let last_id = running.id;
     s.destroy(&sb).await;
 

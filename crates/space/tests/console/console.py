@@ -227,7 +227,7 @@ def main():
                 assert other_sb not in page.content()
                 expect(row).to_contain_text("owner=a")
                 expect(row).to_contain_text(TEMPLATE)
-                # Events carry no cost; the page reads it (disk bytes at least) shortly after.
+                # The cost (disk bytes at least) shows, from the event or the list's next read.
                 expect(row.locator(tid("sandbox-cost"))).to_contain_text(re.compile(r"disk\s+\d"))
                 run.shot("sandboxes.png")
                 return my_sb
