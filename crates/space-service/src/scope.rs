@@ -600,11 +600,19 @@ impl EventFeed {
                 .svc
                 .for_tenant(&self.tenant)
                 .events_after(self.after, limit)?;
-            if let Some(last) = events.last() {
-                self.after = last.id;
-                for e in &mut events {
-                    self.svc.decorate_event(e);
-                }
+            if let Some(last) = events.last().map(|e| e.id) {
+                // Costs read the sandbox's filesystem: off the async threads. The feed
+                // moves past these events only once they are returned (cancel-safe).
+                let svc = self.svc.clone();
+                let events = tokio::task::spawn_blocking(move || {
+                    for e in &mut events {
+                        svc.decorate_event(e);
+                    }
+                    events
+                })
+                .await
+                .map_err(|e| ServiceError::Internal(format!("decorating events: {e}")))?;
+                self.after = last;
                 return Ok(events);
             }
             tokio::select! {
