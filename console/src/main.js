@@ -102,9 +102,11 @@ function route() {
   }
 }
 
+/** Enough of the key to tell keys apart, not enough to matter if the screen is seen: an
+ * API key's prefix and 4 of its 64 hex digits; nothing of any other token. */
 function maskKey(key) {
-  if (key.length <= 12) return "•".repeat(Math.min(key.length, 8));
-  return key.slice(0, 8) + "…";
+  if (/^spk_[0-9a-f]{8,}$/.test(key)) return key.slice(0, 8) + "…";
+  return "token ••••";
 }
 
 function renderShell() {

@@ -191,6 +191,7 @@ async fn attach_takes_the_key_as_a_websocket_subprotocol() {
 async fn the_console_in_chromium() {
     let s = TestServer::start().await;
     let (a, b) = (s.new_key("console-a"), s.new_key("console-b"));
+    let doomed = s.new_key("console-revoked");
     let python = repo_dir().join("target/test-clients/venv/bin/python");
     assert!(
         python.exists(),
@@ -218,6 +219,10 @@ async fn the_console_in_chromium() {
         .env("SPACE_OTHER_KEY", &b)
         .env("SPACE_TEMPLATE", "busybox")
         .env("SPACE_SCREENSHOTS", &shots)
+        .env("SPACE_SERVER_TOKEN", common::TOKEN)
+        .env("SPACE_REVOKE_KEY", &doomed)
+        .env("SPACE_BIN", env!("CARGO_BIN_EXE_space"))
+        .env("SPACE_DATA_DIR", s.data_dir())
         .env("PYTHONFAULTHANDLER", "1")
         .output()
         .expect("run the console script");
@@ -260,6 +265,8 @@ async fn the_console_in_chromium() {
         "files",
         "commands",
         "templates",
+        "pools-operator",
+        "revoked",
         "operations",
         "pools",
     ] {

@@ -3,7 +3,9 @@
 
 Environment: SPACE_URL (the server), SPACE_KEY (tenant A's key), SPACE_OTHER_KEY (tenant
 B's key), SPACE_TEMPLATE (a template with /bin/sh, e.g. busybox), SPACE_SCREENSHOTS (a
-directory for PNGs), CHROMIUM (the browser binary; default /usr/bin/chromium).
+directory for PNGs), CHROMIUM (the browser binary; default /usr/bin/chromium). Optional:
+SPACE_SERVER_TOKEN (the operator check), SPACE_REVOKE_KEY with SPACE_BIN and SPACE_DATA_DIR
+(a key revoked while signed in).
 
 It sets things up through the API (urllib) and checks everything through the browser.
 One line per check; on the first failure it saves failure-<check>.png, prints the page's
@@ -14,6 +16,7 @@ import json
 import os
 import re
 import secrets
+import subprocess
 import sys
 import tempfile
 import time
@@ -31,6 +34,12 @@ TEMPLATE = os.environ.get("SPACE_TEMPLATE", "busybox")
 SHOTS = os.environ.get("SPACE_SCREENSHOTS") or tempfile.mkdtemp(prefix="space-console-")
 CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
 BUILD_TEMPLATE = os.environ.get("SPACE_CONSOLE_BUILD", "1") != "0"
+# Optional: the server's own token (the operator check), and a key to revoke while signed
+# in with `SPACE_BIN keys revoke … --data-dir SPACE_DATA_DIR` (the revoked-key check).
+SERVER_TOKEN = os.environ.get("SPACE_SERVER_TOKEN")
+REVOKE_KEY = os.environ.get("SPACE_REVOKE_KEY")
+SPACE_BIN = os.environ.get("SPACE_BIN")
+DATA_DIR = os.environ.get("SPACE_DATA_DIR")
 
 os.makedirs(SHOTS, exist_ok=True)
 # Generous: the suite runs this beside other tests that load both cores.
@@ -199,6 +208,8 @@ def main():
                 expect(page.locator(tid("nav-sandboxes"))).to_be_visible()
                 expect(page.locator(tid("logout"))).to_be_visible()
                 assert KEY not in page.url
+                # The header tells keys apart by their first hex digits, and shows no more.
+                assert KEY[8:16] not in page.locator("body").inner_text(), "the page shows the key"
                 stored = page.evaluate("() => [JSON.stringify(sessionStorage), JSON.stringify(localStorage)]")
                 assert KEY in stored[0], "the key should be in sessionStorage"
                 assert KEY not in stored[1], "the key must never be in localStorage"
@@ -454,6 +465,51 @@ def main():
                 return f"{len(run.urls)} URLs checked for the key"
 
             run.check("logout", logout)
+
+            # 12. The server's own token: the operator, who manages pools.
+            def operator():
+                if not SERVER_TOKEN:
+                    return "skipped (no SPACE_SERVER_TOKEN)"
+                page.fill(tid("login-key"), SERVER_TOKEN)
+                page.click(tid("login-submit"))
+                expect(page.locator(".key-status")).to_contain_text("operator")
+                assert SERVER_TOKEN[:4] not in page.locator(".key-status").inner_text(), "the header shows the token"
+                page.click(tid("nav-pools"))
+                expect(page.locator(tid("pool-submit"))).to_be_visible()
+                shown = page.locator(f'{tid("pool-row")}, {tid("empty-state")}')
+                expect(shown.first).to_be_visible()
+                run.shot("pools-operator.png")
+                # Tenant A's sandboxes are not the operator's tenant's.
+                page.click(tid("nav-sandboxes"))
+                expect(page.locator(f'{tid("sandbox-row")}, {tid("empty-state")}').first).to_be_visible()
+                assert my_sb not in page.content() and other_sb not in page.content()
+                page.click(tid("logout"))
+                expect(page.locator(tid("login-key"))).to_be_visible()
+
+            run.check("operator", operator)
+
+            # 13. A key revoked while the console is open: back to sign-in, with why.
+            def revoked():
+                if not (REVOKE_KEY and SPACE_BIN and DATA_DIR):
+                    return "skipped (no SPACE_REVOKE_KEY, SPACE_BIN, SPACE_DATA_DIR)"
+                page.fill(tid("login-key"), REVOKE_KEY)
+                page.click(tid("login-submit"))
+                expect(page.locator(tid("live-status"))).to_have_text("Live")
+                status, me = call("GET", "/v1/whoami", REVOKE_KEY)
+                assert status == 200, f"whoami: {status} {me}"
+                out = subprocess.run(
+                    [SPACE_BIN, "keys", "revoke", me["key_id"], "--data-dir", DATA_DIR],
+                    capture_output=True, text=True, timeout=60,
+                )
+                assert out.returncode == 0, f"space keys revoke: {out.stderr}"
+                # The live feed is cut off, its reconnect gets 401: sign-in says so.
+                expect(page.locator(tid("login-error"))).to_contain_text("revoked")
+                expect(page.locator(tid("login-key"))).to_be_visible()
+                stored = page.evaluate("() => JSON.stringify(sessionStorage)")
+                assert REVOKE_KEY not in stored, "a revoked key is still kept"
+                run.shot("revoked.png")
+
+            run.check("revoked", revoked)
         except Failed:
             return 1
         finally:
