@@ -584,9 +584,11 @@ impl TemplateStore {
         if is_builtin(name) {
             return Err(TemplateError::Builtin(name.to_owned()));
         }
-        let _lock = BuildLock::acquire(&self.root, name).await?;
+        let lock = BuildLock::acquire(&self.root, name).await?;
         let dir = self.root.join(name);
         if !dir.join(CURRENT_FILE).exists() && !dir.join(METADATA_FILE).exists() {
+            // Asking to delete a name that is not there leaves no lock file for it either.
+            lock.remove(&self.root, name)?;
             return Err(TemplateError::UnknownTemplate(name.to_owned()));
         }
         let root = self.root.clone();
@@ -598,7 +600,8 @@ impl TemplateStore {
             let doomed = root.join(format!(".deleted-{owned}-{}", hex(&random)));
             fs::rename(root.join(&owned), &doomed).at("remove", &doomed)?;
             fsync_dir(&root)?;
-            remove_tree(&doomed)
+            remove_tree(&doomed)?;
+            lock.remove(&root, &owned)
         })
         .await
     }
@@ -737,24 +740,53 @@ impl BuildLock {
     }
 
     pub(crate) fn try_acquire(root: &Path, name: &str) -> Result<Option<Self>, TemplateError> {
-        let file = Self::open(root, name)?;
-        if flock(&file, libc::LOCK_EX | libc::LOCK_NB)? {
-            Ok(Some(Self { _file: file }))
-        } else {
-            Ok(None)
+        loop {
+            let file = Self::open(root, name)?;
+            if !flock(&file, libc::LOCK_EX | libc::LOCK_NB)? {
+                return Ok(None);
+            }
+            if Self::still_at(&file, root, name) {
+                return Ok(Some(Self { _file: file }));
+            }
         }
     }
 
     pub(crate) async fn acquire(root: &Path, name: &str) -> Result<Self, TemplateError> {
-        let file = Self::open(root, name)?;
-        // If this future is dropped, the blocking thread still gets the lock and then drops it with the file.
-        let file = tokio::task::spawn_blocking(move || {
-            flock(&file, libc::LOCK_EX)?;
-            Ok::<_, TemplateError>(file)
-        })
-        .await
-        .map_err(|e| TemplateError::Io(io::Error::other(e)))??;
-        Ok(Self { _file: file })
+        loop {
+            let file = Self::open(root, name)?;
+            // If this future is dropped, the blocking thread still gets the lock and then drops it with the file.
+            let file = tokio::task::spawn_blocking(move || {
+                flock(&file, libc::LOCK_EX)?;
+                Ok::<_, TemplateError>(file)
+            })
+            .await
+            .map_err(|e| TemplateError::Io(io::Error::other(e)))??;
+            if Self::still_at(&file, root, name) {
+                return Ok(Self { _file: file });
+            }
+        }
+    }
+
+    /// Whether the locked file is still the one at the lock's path: a delete removes the
+    /// lock file while it holds it, and whoever waited on the removed one opens the new.
+    fn still_at(file: &File, root: &Path, name: &str) -> bool {
+        use std::os::unix::fs::MetadataExt;
+        match (
+            file.metadata(),
+            fs::metadata(root.join(format!(".{name}.lock"))),
+        ) {
+            (Ok(held), Ok(now)) => held.dev() == now.dev() && held.ino() == now.ino(),
+            _ => false,
+        }
+    }
+
+    /// Removes the lock file, held: the name leaves nothing behind once deleted.
+    fn remove(self, root: &Path, name: &str) -> Result<(), TemplateError> {
+        let path = root.join(format!(".{name}.lock"));
+        match fs::remove_file(&path) {
+            Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e).at("remove lock file", &path),
+            _ => Ok(()),
+        }
     }
 }
 
@@ -1403,6 +1435,33 @@ impl std::fmt::Display for ErrorChain<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A holder that removes the lock file (a delete) hands over cleanly: whoever waited
+    /// on the removed file takes the new one, and the lock stays exclusive.
+    #[tokio::test]
+    async fn a_lock_removed_by_its_holder_is_taken_afresh() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().to_path_buf();
+        let first = BuildLock::acquire(&root, "t").await.unwrap();
+        let waiter = {
+            let root = root.clone();
+            tokio::spawn(async move { BuildLock::acquire(&root, "t").await.unwrap() })
+        };
+        // The waiter has the old file open and blocks on it.
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        assert!(!waiter.is_finished());
+        first.remove(&root, "t").unwrap();
+        assert!(!root.join(".t.lock").exists());
+        let second = tokio::time::timeout(std::time::Duration::from_secs(10), waiter)
+            .await
+            .expect("the waiter gets the lock")
+            .unwrap();
+        // It holds the file now at the path, so nobody else gets it.
+        assert!(BuildLock::still_at(&second._file, &root, "t"));
+        assert!(BuildLock::try_acquire(&root, "t").unwrap().is_none());
+        drop(second);
+        assert!(BuildLock::try_acquire(&root, "t").unwrap().is_some());
+    }
 
     #[test]
     fn names() {

@@ -81,6 +81,8 @@ async fn delete_template(s: &TestServer, name: &str) {
     assert_eq!(resp.status(), 204, "{}", resp.text().await.unwrap());
     assert!(template(s, name).await.is_none());
     assert!(!common::templates_dir().join(name).exists());
+    let lock = common::templates_dir().join(format!(".{name}.lock"));
+    assert!(!lock.exists(), "{} is left", lock.display());
 }
 
 /// Removes the cached layers that builds of `names` made (their keys hold this run's nonces, so
@@ -251,6 +253,9 @@ async fn build_cache_versions_and_delete() {
     delete_template(&s, &name).await;
     let (status, _) = s.delete(&format!("/v1/templates/{name}")).await;
     assert_eq!(status, 404);
+    assert!(!common::templates_dir()
+        .join(format!(".{name}.lock"))
+        .exists());
     let (status, err) = s.delete("/v1/templates/busybox").await;
     assert_eq!(status, 409, "built-ins stay: {err}");
     assert_no_build_left(&s);
