@@ -102,15 +102,11 @@ impl Client {
         cid: &str,
         q: &OutputQuery,
     ) -> Result<OutputStream> {
-        let mut query = vec![
-            ("offset", q.offset.to_string()),
-            ("stream", q.view.as_str().to_string()),
-        ];
-        if q.follow {
-            query.push(("follow", "true".into()));
-        }
         let resp = self
-            .get_stream(&["v1", "sandboxes", sb, "commands", cid, "output"], &query)
+            .get_stream(
+                &["v1", "sandboxes", sb, "commands", cid, "output"],
+                &output_query(q, false),
+            )
             .await?;
         Ok(decoded(self.byte_stream(resp), OutputDecoder::new()))
     }
@@ -124,16 +120,11 @@ impl Client {
         cid: &str,
         q: &OutputQuery,
     ) -> Result<ByteStream> {
-        let mut query = vec![
-            ("offset", q.offset.to_string()),
-            ("stream", q.view.as_str().to_string()),
-            ("format", "raw".to_string()),
-        ];
-        if q.follow {
-            query.push(("follow", "true".into()));
-        }
         let resp = self
-            .get_stream(&["v1", "sandboxes", sb, "commands", cid, "output"], &query)
+            .get_stream(
+                &["v1", "sandboxes", sb, "commands", cid, "output"],
+                &output_query(q, true),
+            )
             .await?;
         Ok(self.byte_stream(resp))
     }
@@ -191,6 +182,21 @@ impl Client {
             }),
         }
     }
+}
+
+/// The query of `GET …/output`: offset, view, follow, and `format=raw` when `raw`.
+fn output_query(q: &OutputQuery, raw: bool) -> Vec<(&'static str, String)> {
+    let mut query = vec![
+        ("offset", q.offset.to_string()),
+        ("stream", q.view.as_str().to_string()),
+    ];
+    if q.follow {
+        query.push(("follow", "true".into()));
+    }
+    if raw {
+        query.push(("format", "raw".into()));
+    }
+    query
 }
 
 /// A WebSocket handshake the server answered with an error status.
