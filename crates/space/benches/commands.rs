@@ -122,12 +122,21 @@ fn main() {
     let mut levels = Vec::new();
     for &clients in levels_wanted {
         let calls = CALLS.div_ceil(clients);
+        // The CPU each side's sandbox is charged for (its cgroup, capped by its vCPU quota).
+        let o_cpu0 = rawsc::cgroup_cpu("space", &ours);
         let t0 = Instant::now();
         let o = rt.block_on(latency_ours(&server, &ours, clients, calls));
         let o_wall = t0.elapsed();
+        let o_cpu = rawsc::cgroup_cpu("space", &ours)
+            .zip(o_cpu0)
+            .map(|(b, a)| b - a);
+        let r_cpu0 = rawsc::cgroup_cpu(rawsc::RAW_CGROUP_PARENT, &rid);
         let t0 = Instant::now();
         let r = latency_raw(&raw, &rid, clients, calls);
         let r_wall = t0.elapsed();
+        let r_cpu = rawsc::cgroup_cpu(rawsc::RAW_CGROUP_PARENT, &rid)
+            .zip(r_cpu0)
+            .map(|(b, a)| b - a);
         eprintln!(
             "bench: exec true, {clients} clients x {calls}: ours p50 {:.1} ms in {:.1} s, raw p50 {:.1} ms in {:.1} s",
             ms(percentile(&o.iter().map(|c| c.0).collect::<Vec<_>>(), 50)),
@@ -143,6 +152,8 @@ fn main() {
             raw: r,
             ours_wall: o_wall,
             raw_wall: r_wall,
+            ours_cpu: o_cpu,
+            raw_cpu: r_cpu,
         });
     }
     rt.block_on(check_ours(&c, &ours));
@@ -236,6 +247,15 @@ fn main() {
             n / l.raw_wall.as_secs_f64(),
             "/s",
         );
+        if let (Some(o), Some(r)) = (l.ours_cpu, l.raw_cpu) {
+            row(
+                &format!("  sandbox CPU per call, {clients} (extra)"),
+                "mean",
+                ms(o) / n,
+                ms(r) / n,
+                "ms",
+            );
+        }
     }
     println!(
         "notes: ratio = ours / raw (above 1 is better for MiB/s and calls/s, worse for ms). \
@@ -253,7 +273,9 @@ fn main() {
          each client on its own connection; raw exec = a whole `runsc exec /bin/true` process \
          per call; each client makes its calls one after another, ours at a level before raw; \
          in the agent = result.duration_ms, from the agent taking the spawn request to reaping \
-         `true`. `echo ok` checked on both sides after each part.",
+         `true`; sandbox CPU per call = the CPU charged to each side's sandbox cgroup over \
+         the level (Sentry, agent and `true` together), divided by the calls: with the \
+         sandbox's vCPU quota it bounds the calls per second either side can reach. `echo ok` checked on both sides after each part.",
         WARMUP_STREAM_BYTES >> 20
     );
 }
@@ -268,6 +290,9 @@ struct Level {
     raw: Vec<Duration>,
     ours_wall: Duration,
     raw_wall: Duration,
+    /// CPU charged to each side's sandbox cgroup over the level (`None`: not readable).
+    ours_cpu: Option<Duration>,
+    raw_cpu: Option<Duration>,
 }
 
 /// Timings of one of our streams.

@@ -449,6 +449,25 @@ pub fn cgroup_dirs() -> Vec<PathBuf> {
     dirs
 }
 
+/// CPU time charged so far to the container cgroup `parent/id` (cgroup v1's cpuacct, or
+/// v2's `cpu.stat`): what a sandbox spends, its Sentry and its processes together.
+pub fn cgroup_cpu(parent: &str, id: &str) -> Option<Duration> {
+    let base = PathBuf::from("/sys/fs/cgroup");
+    if let Ok(ns) = std::fs::read_to_string(
+        base.join("cpuacct")
+            .join(parent)
+            .join(id)
+            .join("cpuacct.usage"),
+    ) {
+        return ns.trim().parse().ok().map(Duration::from_nanos);
+    }
+    let stat = std::fs::read_to_string(base.join(parent).join(id).join("cpu.stat")).ok()?;
+    stat.lines()
+        .find_map(|l| l.strip_prefix("usage_usec "))
+        .and_then(|v| v.trim().parse().ok())
+        .map(Duration::from_micros)
+}
+
 pub fn remove_cgroups(id: &str) {
     for c in cgroup_dirs() {
         let _ = std::fs::remove_dir(c.join(RAW_CGROUP_PARENT).join(id));
