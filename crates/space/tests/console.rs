@@ -211,8 +211,8 @@ async fn the_console_in_chromium() {
             .unwrap()
             .as_nanos()
     );
-    let out = Command::new(&python)
-        .arg(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/console/console.py"))
+    let mut cmd = Command::new(&python);
+    cmd.arg(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/console/console.py"))
         .env("SPACE_CONSOLE_TEST_RUN", &marker)
         .env("SPACE_URL", &s.url)
         .env("SPACE_KEY", &a)
@@ -223,23 +223,12 @@ async fn the_console_in_chromium() {
         .env("SPACE_REVOKE_KEY", &doomed)
         .env("SPACE_BIN", env!("CARGO_BIN_EXE_space"))
         .env("SPACE_DATA_DIR", s.data_dir())
-        .env("PYTHONFAULTHANDLER", "1")
-        .output()
-        .expect("run the console script");
-    let text = format!(
-        "{}\n{}\nconsole.py ended: {}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr),
-        out.status
-    );
-    println!("{text}");
-    assert!(
-        out.status.success(),
-        "console.py failed (screenshots in {}):\n{text}",
-        shots.display()
-    );
+        .env("PYTHONFAULTHANDLER", "1");
+    common::run_script_checked(&mut cmd, "console.py", || {
+        format!("screenshots in {}", shots.display())
+    });
     let needle = format!("SPACE_CONSOLE_TEST_RUN={marker}");
-    let left = processes_with_env(&needle);
+    let left = common::processes_with_env(&needle);
     assert!(left.is_empty(), "the browser left processes: {left:?}");
     // Every sandbox the script made is gone, and left nothing behind.
     for key in [&a, &b] {
@@ -275,26 +264,4 @@ async fn the_console_in_chromium() {
             "no screenshot of {page}"
         );
     }
-}
-
-/// Processes whose environment holds `needle` (`NAME=value`), with their command lines.
-fn processes_with_env(needle: &str) -> Vec<(u32, String)> {
-    let mut found = Vec::new();
-    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Some(pid) = entry
-            .file_name()
-            .to_str()
-            .and_then(|n| n.parse::<u32>().ok())
-        else {
-            continue;
-        };
-        let Ok(env) = std::fs::read(entry.path().join("environ")) else {
-            continue;
-        };
-        if env.split(|b| *b == 0).any(|v| v == needle.as_bytes()) {
-            let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
-            found.push((pid, String::from_utf8_lossy(&cmdline).replace('\0', " ")));
-        }
-    }
-    found
 }

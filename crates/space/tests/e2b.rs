@@ -49,8 +49,8 @@ fn run_script(s: &TestServer, key: &str, other_key: &str, program: &str, script:
         "python" => clients.join("venv/bin/python"),
         p => PathBuf::from(p),
     };
-    let out = Command::new(program)
-        .arg(scripts_dir().join(script))
+    let mut cmd = Command::new(program);
+    cmd.arg(scripts_dir().join(script))
         .env_remove("E2B_DEBUG")
         .env_remove("E2B_DOMAIN")
         .env("E2B_API_URL", &s.url)
@@ -60,21 +60,10 @@ fn run_script(s: &TestServer, key: &str, other_key: &str, program: &str, script:
         .env("SPACE_TEMPLATE", "base")
         .env("E2B_NODE_MODULES", clients.join("node/node_modules"))
         // A crash in the interpreter (not an exception) still says where it was.
-        .env("PYTHONFAULTHANDLER", "1")
-        .output()
-        .expect("run the SDK script");
-    let text = format!(
-        "{}\n{}\n{script} ended: {}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr),
-        out.status
-    );
-    println!("--- {script}\n{text}");
-    assert!(
-        out.status.success(),
-        "{script} failed:\n{text}\n--- server log:\n{}",
-        tail(&s.log())
-    );
+        .env("PYTHONFAULTHANDLER", "1");
+    common::run_script_checked(&mut cmd, script, || {
+        format!("--- server log:\n{}", tail(&s.log()))
+    });
 }
 
 fn tail(s: &str) -> &str {

@@ -527,20 +527,54 @@ pub fn decode(chunks: &[Chunk], stream: Option<StdStream>) -> Vec<u8> {
         .collect()
 }
 
+/// Processes whose command line contains `needle`, with their command lines.
 pub fn processes_mentioning(needle: &str) -> Vec<(i32, String)> {
+    processes_where(|_, cmdline| String::from_utf8_lossy(cmdline).contains(needle))
+}
+
+/// Processes whose environment holds `needle` (`NAME=value`), with their command lines:
+/// what a client script and everything it started inherited.
+pub fn processes_with_env(needle: &str) -> Vec<(i32, String)> {
+    processes_where(|pid, _| {
+        std::fs::read(format!("/proc/{pid}/environ"))
+            .is_ok_and(|env| env.split(|b| *b == 0).any(|v| v == needle.as_bytes()))
+    })
+}
+
+/// Processes for which `matches(pid, cmdline)` holds, with their command lines.
+fn processes_where(matches: impl Fn(i32, &[u8]) -> bool) -> Vec<(i32, String)> {
     let mut found = Vec::new();
     for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
         let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
             continue;
         };
         if let Ok(cmdline) = std::fs::read(e.path().join("cmdline")) {
-            let s = String::from_utf8_lossy(&cmdline).replace('\0', " ");
-            if s.contains(needle) {
-                found.push((pid, s));
+            if matches(pid, &cmdline) {
+                found.push((pid, String::from_utf8_lossy(&cmdline).replace('\0', " ")));
             }
         }
     }
     found
+}
+
+/// Runs a client script (an SDK's, a browser's) to its end and prints what it wrote;
+/// panics with that, and with `context()`, unless it succeeded.
+pub fn run_script_checked(cmd: &mut Command, name: &str, context: impl FnOnce() -> String) {
+    let out = cmd
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {name}: {e}"));
+    let text = format!(
+        "{}\n{}\n{name} ended: {}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+        out.status
+    );
+    println!("--- {name}\n{text}");
+    assert!(
+        out.status.success(),
+        "{name} failed:\n{text}\n{}",
+        context()
+    );
 }
 
 impl Drop for TestServer {
