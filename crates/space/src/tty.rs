@@ -71,8 +71,11 @@ pub async fn exec_attached(
     tty: bool,
 ) -> anyhow::Result<i32> {
     req.stdin = Some(true);
+    // The size the sandbox's terminal was last told of.
+    let mut sent_size = None;
     if tty {
         req.pty = Some(window_size(0).unwrap_or(PtySize { rows: 24, cols: 80 }));
+        sent_size = req.pty.as_ref().map(|p| (p.rows, p.cols));
         let term = std::env::var("TERM").unwrap_or_else(|_| "xterm-256color".into());
         req.env
             .get_or_insert_with(Default::default)
@@ -93,19 +96,25 @@ pub async fn exec_attached(
     let mut stdin_open = true;
     let code = loop {
         tokio::select! {
+            // A resize goes before the keys typed after it, as over ssh: SIGWINCH first, and
+            // the size checked again before each piece of input, because the signal and the
+            // keys can be ready at once (a `stty size` typed right after a resize must see it).
+            biased;
+            _ = winch.recv(), if tty => {
+                send_resize(&mut sink, &mut sent_size).await?;
+            }
             n = stdin.read(&mut buf), if stdin_open => match n {
                 Ok(0) | Err(_) => {
                     stdin_open = false;
                     sink.send(Message::Text(json!({"type": "eof"}).to_string())).await?;
                 }
-                Ok(n) => sink.send(Message::Binary(buf[..n].to_vec())).await?,
-            },
-            _ = winch.recv(), if tty => {
-                if let Some(size) = window_size(0) {
-                    let msg = json!({"type": "resize", "rows": size.rows, "cols": size.cols});
-                    sink.send(Message::Text(msg.to_string())).await?;
+                Ok(n) => {
+                    if tty {
+                        send_resize(&mut sink, &mut sent_size).await?;
+                    }
+                    sink.send(Message::Binary(buf[..n].to_vec())).await?
                 }
-            }
+            },
             msg = source.next() => match msg {
                 Some(Ok(Message::Binary(b))) if !b.is_empty() => {
                     let data = &b[1..];
@@ -140,6 +149,24 @@ pub async fn exec_attached(
     };
     drop(raw);
     Ok(code)
+}
+
+/// Tells the sandbox's terminal the local window's size, if it changed since `sent`.
+async fn send_resize<S>(sink: &mut S, sent: &mut Option<(u16, u16)>) -> anyhow::Result<()>
+where
+    S: futures::Sink<Message> + Unpin,
+    S::Error: std::error::Error + Send + Sync + 'static,
+{
+    let Some(size) = window_size(0) else {
+        return Ok(());
+    };
+    if *sent == Some((size.rows, size.cols)) {
+        return Ok(());
+    }
+    let msg = json!({"type": "resize", "rows": size.rows, "cols": size.cols});
+    sink.send(Message::Text(msg.to_string())).await?;
+    *sent = Some((size.rows, size.cols));
+    Ok(())
 }
 
 fn exit_code(end: &Value) -> i32 {

@@ -328,14 +328,36 @@ async fn exec_tty_behaves_like_ssh() {
     last_line_is(&session, "~ # n=$((n+1)); echo recall-$n").await;
     keys(&session, &["Enter"]);
     shows(&s, &sb, &session, "recall-2\n").await;
-    // The window size follows.
-    let st = Command::new("tmux")
-        .args(["resize-window", "-t", &session, "-x", "120", "-y", "40"])
-        .status()
-        .unwrap();
-    assert!(st.success());
-    keys(&session, &["stty size", "Enter"]);
-    pane_shows(&session, "40 120").await;
+    // The window size follows, growing and shrinking. tmux sets the pane's size in its own
+    // time after `resize-window` (it may write keys sent next before it), so the line is
+    // typed again until the size shows; the client sends a size it sees change before the
+    // keys that follow.
+    for (rows, cols) in [(40, 120), (25, 90), (50, 132)] {
+        let st = Command::new("tmux")
+            .args(["resize-window", "-t", &session])
+            .args(["-x", &cols.to_string(), "-y", &rows.to_string()])
+            .status()
+            .unwrap();
+        assert!(st.success());
+        let want = format!("{rows} {cols}\n");
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        loop {
+            last_line_is(&session, "~ #").await;
+            keys(&session, &["clear; stty size", "Enter"]);
+            let tried = std::time::Instant::now();
+            while !pane(&session).contains(&want)
+                && tried.elapsed() < std::time::Duration::from_secs(3)
+            {
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            }
+            if pane(&session).contains(&want) {
+                break;
+            }
+            if std::time::Instant::now() > deadline {
+                shows(&s, &sb, &session, &want).await;
+            }
+        }
+    }
     keys(&session, &["exit 7", "Enter"]);
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
     while !exit_file.exists() {
