@@ -28,13 +28,55 @@ target/debug/space admin prepare-template code-interpreter --templates-dir "$SPA
 # The conformance suite must run on both runtimes here: a runtime that is
 # unavailable fails the run instead of being skipped.
 export SPACE_TEST_REQUIRE_RUNTIMES=gvisor,microvm
+stage "test binaries"
+# A production build reads no failpoint (the same test, without the feature).
+cargo test -p space-service --lib test_hooks
+cargo test --workspace --features space/test-hooks --no-run
+
+# The hostile suite (tests/hostile.rs, about 11 minutes, most of it one bomb at a time and
+# the rest waiting on timeouts) runs beside everything below: the host's 2 CPUs are about
+# half idle through the other suites. Its output is printed once it ends.
+stage "hostile suite (beside the rest)"
+mkdir -p target/test-logs
+hostile_log=target/test-logs/hostile.log
+rm -f "$hostile_log" target/test-logs/hostile.rc
+(
+  rc=0
+  cargo test -p space --features space/test-hooks --test hostile --no-fail-fast \
+    -- --test-threads 4 >"$hostile_log" 2>&1 || rc=$?
+  echo "$rc" >target/test-logs/hostile.rc
+) &
+hostile_pid=$!
+# Waits for the hostile suite and prints what it printed; fails if it failed. Also run on
+# any early exit, so that a failure elsewhere neither cuts it off nor hides its log.
+hostile_done() {
+  trap - EXIT
+  wait "$hostile_pid" || true
+  echo "---- tests/hostile.rs (ran beside the stages above) ----"
+  cat "$hostile_log"
+  echo "---- end of tests/hostile.rs ----"
+  [ "$(cat target/test-logs/hostile.rc 2>/dev/null || echo 1)" = 0 ]
+}
+trap 'hostile_done || true' EXIT
+
 stage "test clients"
 # The pinned client libraries the tests drive: E2B SDKs (tests/e2b.rs), the MCP client (tests/mcp.rs).
 scripts/test-clients.sh
 stage "workspace tests"
-# A production build reads no failpoint (the same test, without the feature).
-cargo test -p space-service --lib test_hooks
-cargo test --workspace --features space/test-hooks --no-fail-fast -- --test-threads 4
+# Every test target of the workspace but the hostile suite, which runs above.
+other_tests=$(cargo metadata --no-deps --format-version 1 | python3 -c '
+import json, sys
+m = json.load(sys.stdin)
+names = {t["name"] for p in m["packages"] for t in p["targets"] if "test" in t["kind"]}
+print(" ".join("--test " + n for n in sorted(names - {"hostile"})))')
+workspace_rc=0
+# shellcheck disable=SC2086 # one word per flag
+cargo test --workspace --features space/test-hooks --no-fail-fast --lib --bins $other_tests \
+  -- --test-threads 4 || workspace_rc=$?
+cargo test --workspace --features space/test-hooks --doc || workspace_rc=$?
+if [ "$workspace_rc" != 0 ]; then
+  exit "$workspace_rc"
+fi
 
 stage "microVM pass"
 # Whole suites again with every sandbox on the microVM runtime (see docs/RUNTIMES.md for
@@ -52,4 +94,6 @@ sdk/python/run-tests.sh -q
 stage schemathesis
 # The API against its own OpenAPI document: schemathesis, no 5xx (see scripts/schemathesis.sh).
 scripts/schemathesis.sh
+stage "hostile suite (waiting for it)"
+hostile_done
 stage done
