@@ -15,6 +15,8 @@
 # Each prints one table; they never fail on speed, only when something breaks.
 # Needs root, like the tests.
 set -euo pipefail
+# Retries for a mirror that does not answer for a moment (scripts/apt.conf).
+export APT_CONFIG="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/apt.conf"
 cd "$(dirname "$0")/.."
 
 scripts/setup.sh

@@ -12,6 +12,8 @@
 #
 # Usage: scripts/build-guest.sh OUT_DIR
 set -euo pipefail
+# Retries for a mirror that does not answer for a moment (scripts/apt.conf).
+export APT_CONFIG="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/apt.conf"
 
 if [ "$#" -ne 1 ] || [ -z "$1" ]; then
   echo "usage: scripts/build-guest.sh OUT_DIR" >&2

@@ -5,6 +5,8 @@
 #   tmux (the interactive `space exec -t` test)
 #   iptables (nft backend), iproute2, procps (sysctl): egress networking (space_runtime::net)
 set -euo pipefail
+# Retries for a mirror that does not answer for a moment (scripts/apt.conf).
+export APT_CONFIG="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/apt.conf"
 
 if [ "$(id -u)" -ne 0 ]; then
   echo "scripts/setup.sh must run as root (it installs packages with apt-get)" >&2

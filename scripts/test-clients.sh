@@ -12,6 +12,8 @@
 #   JS:     target/test-clients/node/node_modules  (e2b@$JS_VERSION and
 #           @e2b/code-interpreter@$JS_CI_VERSION; the tests get it as E2B_NODE_MODULES)
 set -euo pipefail
+# Retries for a mirror that does not answer for a moment (scripts/apt.conf).
+export APT_CONFIG="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/apt.conf"
 cd "$(dirname "$0")/.."
 
 PY_VERSION=2.63.0
@@ -33,7 +35,7 @@ py_ok() {
 if ! py_ok; then
   if ! python3 -c 'import venv, ensurepip' >/dev/null 2>&1; then
     SUDO=""
-    [[ $(id -u) -eq 0 ]] || SUDO=sudo
+    [[ $(id -u) -eq 0 ]] || SUDO="sudo APT_CONFIG=$APT_CONFIG"
     $SUDO apt-get update -qq
     $SUDO apt-get install -y -qq python3-venv
   fi
@@ -47,7 +49,7 @@ fi
 # --- The browser of the console tests: Debian's chromium, driven by Playwright ---
 if ! command -v chromium >/dev/null; then
   SUDO=""
-  [[ $(id -u) -eq 0 ]] || SUDO=sudo
+  [[ $(id -u) -eq 0 ]] || SUDO="sudo APT_CONFIG=$APT_CONFIG"
   $SUDO apt-get update -qq
   $SUDO apt-get install -y -qq chromium >/dev/null
 fi
