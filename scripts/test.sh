@@ -42,7 +42,8 @@ hostile_log=target/test-logs/hostile.log
 rm -f "$hostile_log" target/test-logs/hostile.rc
 (
   rc=0
-  cargo test -p space --features space/test-hooks --test hostile --no-fail-fast \
+  # --workspace, as in the build above: the same features, so the same binary (no rebuild).
+  cargo test --workspace --features space/test-hooks --test hostile --no-fail-fast \
     -- --test-threads 4 >"$hostile_log" 2>&1 || rc=$?
   echo "$rc" >target/test-logs/hostile.rc
 ) &

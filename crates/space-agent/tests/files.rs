@@ -1343,7 +1343,7 @@ async fn devices_and_fifos_are_refused() {
         .await
         .refused(StatusCode::BAD_REQUEST, ErrorCode::NotAFile);
     assert!(v.contains("not a regular file"));
-    assert!(started.elapsed() < Duration::from_secs(5));
+    assert!(started.elapsed() < Duration::from_secs(30));
     // A character device (we run as root in these tests; skip if mknod is refused).
     let null = root.join("null");
     let c_null = std::ffi::CString::new(null.as_os_str().as_bytes()).expect("path");

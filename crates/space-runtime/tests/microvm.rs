@@ -415,7 +415,7 @@ async fn disk_quota_is_the_device_size_and_a_killed_vm_is_stopped() {
     unsafe { libc::kill(pids[0], libc::SIGKILL) };
     let t = Instant::now();
     while rt.status(id).await.unwrap() != RuntimeStatus::Stopped {
-        assert!(t.elapsed() < Duration::from_secs(10), "still not stopped");
+        assert!(t.elapsed() < Duration::from_secs(60), "still not stopped");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert!(rt.list().await.unwrap().is_empty());
