@@ -7,6 +7,7 @@
 //! command that runs for hours keeps its sandbox alive; the timer starts when
 //! the last command ends.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -141,14 +142,22 @@ impl Service {
         Ok(self.decorate(self.record(id)?.sandbox))
     }
 
-    /// A sandbox event's object with what [`Self::decorate`] computes, as of the event's
-    /// delivery: the stored object carries no cost. Another object is left as it is.
-    pub(crate) fn decorate_event(&self, event: &mut space_api::Event) {
-        if event.kind != "sandbox" {
-            return;
-        }
-        if let Ok(sb) = serde_json::from_value::<Sandbox>(event.object.clone()) {
-            if let Ok(v) = serde_json::to_value(self.decorate(sb)) {
+    /// Sandbox events' objects with what [`Self::decorate`] computes, as of their delivery:
+    /// the stored object carries no cost. Other objects are left as they are. A sandbox's
+    /// disk is read once per batch however many of its events the batch holds (a client that
+    /// replays a long history costs one `statfs` per sandbox, not per event).
+    pub(crate) fn decorate_events(&self, events: &mut [space_api::Event]) {
+        let mut disk: HashMap<String, Option<u64>> = HashMap::new();
+        for event in events.iter_mut().filter(|e| e.kind == "sandbox") {
+            let Ok(sb) = serde_json::from_value::<Sandbox>(event.object.clone()) else {
+                continue;
+            };
+            let sb = self.decorate_with(sb, |id, dir| {
+                *disk
+                    .entry(id.to_string())
+                    .or_insert_with(|| self.rt(id).disk_bytes(id, dir))
+            });
+            if let Ok(v) = serde_json::to_value(sb) {
                 event.object = v;
             }
         }
@@ -157,18 +166,27 @@ impl Service {
     /// Fills in what is computed rather than stored: cost and the idle deadline.
     /// Memory comes from the last sample (a request never scans `/proc`); disk is one
     /// `statfs` of the sandbox's own filesystem. Blocking: call it off the async threads.
-    pub(crate) fn decorate(&self, mut sb: Sandbox) -> Sandbox {
+    pub(crate) fn decorate(&self, sb: Sandbox) -> Sandbox {
+        self.decorate_with(sb, |id, dir| self.rt(id).disk_bytes(id, dir))
+    }
+
+    /// [`Self::decorate`], with `disk` reading what sandbox `id`'s directory `dir` takes.
+    fn decorate_with(
+        &self,
+        mut sb: Sandbox,
+        mut disk: impl FnMut(&str, &std::path::Path) -> Option<u64>,
+    ) -> Sandbox {
         let sampled = lock(&self.0.costs).get(&sb.id).cloned().unwrap_or_default();
         let dir = self.sandbox_dir(&sb.id);
         match sb.state {
             SandboxState::Running | SandboxState::Paused | SandboxState::Pausing => {
                 sb.cost.memory_bytes = sampled.memory_bytes;
                 sb.cost.snapshot_bytes = None;
-                sb.cost.disk_bytes = self.rt(&sb.id).disk_bytes(&sb.id, &dir);
+                sb.cost.disk_bytes = disk(&sb.id, &dir);
             }
             SandboxState::Suspended => {
                 sb.cost.memory_bytes = Some(0);
-                sb.cost.disk_bytes = self.rt(&sb.id).disk_bytes(&sb.id, &dir);
+                sb.cost.disk_bytes = disk(&sb.id, &dir);
             }
             _ => sb.cost.memory_bytes = None,
         }

@@ -605,9 +605,7 @@ impl EventFeed {
                 // moves past these events only once they are returned (cancel-safe).
                 let svc = self.svc.clone();
                 let events = tokio::task::spawn_blocking(move || {
-                    for e in &mut events {
-                        svc.decorate_event(e);
-                    }
+                    svc.decorate_events(&mut events);
                     events
                 })
                 .await
