@@ -79,7 +79,7 @@ pub const MAX_HANDSHAKE_BYTES: usize = 4096;
 /// Largest frame payload either side accepts.
 pub const MAX_FRAME_PAYLOAD: usize = 1 << 20;
 /// Largest data chunk the agent puts in one output frame.
-pub const MAX_DATA_CHUNK: usize = 64 * 1024;
+pub const MAX_DATA_CHUNK: usize = 256 * 1024;
 /// Unacknowledged output the agent keeps per stream before it stops reading the pipe.
 pub const RETAIN_MAX_BYTES: usize = 1 << 20;
 /// Largest JSON request body accepted by the agent.
