@@ -30,6 +30,7 @@ use tokio::process::Command;
 
 mod step;
 
+use crate::cpus::CpuPlacer;
 use crate::lend::{self, Lent};
 use crate::process::{self, tail_text, Backoff, Kill, CONSOLE_LOG};
 use crate::{disk, net};
@@ -63,6 +64,22 @@ const CGROUP_PARENT: &str = "space";
 /// writable layer).
 const CHECKPOINT_FILE: &str = "checkpoint.img";
 
+/// The vCPUs of a sandbox, from the CPU quota in its bundle (0 when it has none or the
+/// bundle cannot be read: then it is not placed).
+fn bundle_vcpus(state_dir: &Path) -> u32 {
+    let Ok(text) = std::fs::read(state_dir.join("bundle").join("config.json")) else {
+        return 0;
+    };
+    let Ok(config) = serde_json::from_slice::<serde_json::Value>(&text) else {
+        return 0;
+    };
+    let cpu = &config["linux"]["resources"]["cpu"];
+    match (cpu["quota"].as_u64(), cpu["period"].as_u64()) {
+        (Some(q), Some(p)) if p > 0 => u32::try_from(q / p).unwrap_or(0),
+        _ => 0,
+    }
+}
+
 /// The `gvisor` runtime.
 #[derive(Debug, Clone)]
 pub struct GvisorRuntime {
@@ -72,6 +89,8 @@ pub struct GvisorRuntime {
     /// `runsc --root` of template build steps.
     build_root: PathBuf,
     platform: String,
+    /// Gives each sandbox CPUs of its own (`space serve --no-cpu-pinning` turns it off).
+    cpus: CpuPlacer,
 }
 
 impl GvisorRuntime {
@@ -81,6 +100,23 @@ impl GvisorRuntime {
             state_root,
             build_root,
             platform,
+            cpus: CpuPlacer::new(true, CGROUP_PARENT),
+        }
+    }
+
+    /// Whether sandboxes get CPUs of their own (on by default; see [`crate::cpus`]).
+    pub fn with_cpu_pinning(mut self, on: bool) -> Self {
+        self.cpus = CpuPlacer::new(on, CGROUP_PARENT);
+        self
+    }
+
+    /// Places a created or restored sandbox on CPUs of its own, before its workload
+    /// runs. Pinning is only faster, never needed: a failure is logged, not returned.
+    fn place_on_cpus(&self, id: &str, vcpus: u32) {
+        match self.cpus.place(id, vcpus) {
+            Ok(Some(list)) => tracing::debug!(sandbox = id, cpus = %list, "placed on CPUs"),
+            Ok(None) => {}
+            Err(e) => tracing::warn!(sandbox = id, error = %e, "cannot place the sandbox on CPUs"),
         }
     }
 
@@ -362,6 +398,7 @@ impl Runtime for GvisorRuntime {
         .await?;
         // Before `start`: no workload runs yet.
         Self::raise_host_memory(&spec.id, &spec.state_dir)?;
+        self.place_on_cpus(&spec.id, spec.vcpus);
         let overlay_flag = format!("root:dir={}", overlay.display());
         let overlay_arg = format!("--overlay2={overlay_flag}");
         self.run_net(
@@ -542,8 +579,11 @@ impl Runtime for GvisorRuntime {
             ],
         )
         .await?;
-        // runsc made the cgroup from the spec again.
-        Self::raise_host_memory(id, state_dir)
+        // runsc made the cgroup from the spec again; the CPUs are placed afresh, among
+        // the sandboxes running now.
+        Self::raise_host_memory(id, state_dir)?;
+        self.place_on_cpus(id, bundle_vcpus(state_dir));
+        Ok(())
     }
 
     async fn run_build_step(&self, step: BuildStep<'_>) -> Result<(), BuildStepError> {

@@ -1,6 +1,7 @@
 //! Runtime drivers for space sandboxes and the template store on disk.
 
 pub mod build;
+pub mod cpus;
 mod debian;
 pub mod disk;
 pub mod guest;

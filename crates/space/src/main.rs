@@ -126,6 +126,11 @@ struct ServeArgs {
     /// gVisor platform.
     #[arg(long, default_value = "systrap")]
     platform: String,
+    /// Leave gVisor sandboxes free to run on any CPU. By default a sandbox with fewer
+    /// vCPUs than the host has CPUs gets that many CPUs of its own, the least used ones
+    /// (its cpuset cgroup): its threads wake each other on one CPU, which is much cheaper.
+    #[arg(long)]
+    no_cpu_pinning: bool,
     /// Creates that may boot at the same time; more wait as `pending`.
     #[arg(long, default_value_t = 4)]
     max_concurrent_creates: usize,
@@ -552,7 +557,8 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         args.data_dir.join("runsc"),
         args.data_dir.join("build-runsc"),
         args.platform.clone(),
-    );
+    )
+    .with_cpu_pinning(!args.no_cpu_pinning);
     let runtimes = runtimes(&args, runtime)?;
     let build_runtime = build_runtime(&args, &runtimes)?;
     let cfg = service::Config {

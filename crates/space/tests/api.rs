@@ -632,3 +632,96 @@ async fn the_agent_socket_refuses_impostors() {
     assert_eq!(cmd["stdout"], "still-fine\n");
     s.destroy(&sb).await;
 }
+
+/// The sandboxes' cpuset cgroup parent on this host (v1's cpuset hierarchy, or v2).
+fn cpuset_parent() -> std::path::PathBuf {
+    let v1 = Path::new("/sys/fs/cgroup/cpuset/space");
+    if v1.is_dir() {
+        v1.to_path_buf()
+    } else {
+        Path::new("/sys/fs/cgroup/space").to_path_buf()
+    }
+}
+
+/// The CPUs a cpuset cgroup file lists.
+fn cpus_in(file: &Path) -> Vec<usize> {
+    let text = std::fs::read_to_string(file).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
+    let mut cpus = Vec::new();
+    for part in text.trim().split(',').filter(|p| !p.is_empty()) {
+        let (a, b) = part.split_once('-').unwrap_or((part, part));
+        cpus.extend(a.parse::<usize>().unwrap()..=b.parse::<usize>().unwrap());
+    }
+    cpus
+}
+
+/// The CPUs a sandbox's cgroup lets it run on.
+fn sandbox_cpus(sb: &str) -> Vec<usize> {
+    cpus_in(&cpuset_parent().join(sb).join("cpuset.cpus"))
+}
+
+/// Each sandbox with fewer vCPUs than the host has CPUs gets CPUs of its own, the least
+/// used ones; a suspended one is placed again when it resumes; `--no-cpu-pinning` and a
+/// sandbox as large as the host leave it free.
+#[tokio::test]
+async fn sandboxes_get_cpus_of_their_own() {
+    let s = TestServer::start().await;
+    let a = s
+        .create_with(json!({"template": "busybox", "resources": {"vcpus": 1}}))
+        .await;
+    let b = s
+        .create_with(json!({"template": "busybox", "resources": {"vcpus": 1}}))
+        .await;
+    // What the sandboxes may use (the parent exists once one sandbox does). Which CPUs
+    // they get depends on what else runs (other tests here): the spread itself is shown
+    // by `space_runtime::cpus`'s tests.
+    let file = if cpuset_parent().join("cpuset.cpus.effective").exists() {
+        "cpuset.cpus.effective"
+    } else {
+        "cpuset.cpus"
+    };
+    let host = cpus_in(&cpuset_parent().join(file)).len();
+    for sb in [&a, &b] {
+        let cpus = sandbox_cpus(sb);
+        assert_eq!(
+            cpus.len(),
+            if host >= 2 { 1 } else { host },
+            "{sb}: {cpus:?}"
+        );
+    }
+    assert_eq!(s.sh(&a, "echo ok").await["stdout"], "ok\n");
+    assert_eq!(s.sh(&b, "echo ok").await["stdout"], "ok\n");
+
+    // Suspended and resumed (a restore): placed again, still running commands.
+    for action in ["suspend", "resume"] {
+        let (st, op) = s
+            .post(&format!("/v1/sandboxes/{a}/{action}"), json!({}))
+            .await;
+        assert_eq!(st, 202, "{op}");
+        let op = s.wait_op(op["id"].as_str().unwrap()).await;
+        assert_eq!(op["status"], "succeeded", "{op}");
+    }
+    if host >= 2 {
+        assert_eq!(sandbox_cpus(&a).len(), 1, "not placed after a restore");
+    }
+    assert_eq!(s.sh(&a, "echo back").await["stdout"], "back\n");
+
+    // As many vCPUs as the host has CPUs: nothing to choose.
+    let all = s
+        .create_with(json!({"template": "busybox", "resources": {"vcpus": host}}))
+        .await;
+    assert_eq!(sandbox_cpus(&all).len(), host);
+    for sb in [&a, &b, &all] {
+        s.destroy(sb).await;
+        s.assert_nothing_left(sb);
+    }
+
+    // Pinning off: a small sandbox may run anywhere.
+    let s = TestServer::start_with(&["--no-cpu-pinning"]).await;
+    let c = s
+        .create_with(json!({"template": "busybox", "resources": {"vcpus": 1}}))
+        .await;
+    assert_eq!(sandbox_cpus(&c).len(), host);
+    assert_eq!(s.sh(&c, "echo free").await["stdout"], "free\n");
+    s.destroy(&c).await;
+    s.assert_nothing_left(&c);
+}

@@ -764,7 +764,10 @@ async fn host_probes(rt: &'static str) {
                 .map(|f| f.path())
                 .filter(|p| {
                     let n = p.file_name().unwrap().to_string_lossy().into_owned();
-                    n.ends_with("limit_in_bytes") || n == "pids.max" || n == "cpu.cfs_quota_us"
+                    n.ends_with("limit_in_bytes")
+                        || n == "pids.max"
+                        || n == "cpu.cfs_quota_us"
+                        || n == "cpuset.cpus"
                 })
                 .collect::<Vec<_>>()
         })
