@@ -118,7 +118,7 @@ fn allowed_cpus() -> io::Result<Vec<usize>> {
 
 /// A kernel CPU list (`0-3,8,10-11`) as numbers; what does not parse is skipped, and a
 /// range is bounded (a cgroup file is not trusted to be sane).
-fn parse_list(text: &str) -> Vec<usize> {
+pub fn parse_list(text: &str) -> Vec<usize> {
     const MAX_CPU: usize = 1 << 14;
     let mut out = Vec::new();
     for part in text.trim().split(',').filter(|p| !p.is_empty()) {

@@ -646,12 +646,7 @@ fn cpuset_parent() -> std::path::PathBuf {
 /// The CPUs a cpuset cgroup file lists.
 fn cpus_in(file: &Path) -> Vec<usize> {
     let text = std::fs::read_to_string(file).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
-    let mut cpus = Vec::new();
-    for part in text.trim().split(',').filter(|p| !p.is_empty()) {
-        let (a, b) = part.split_once('-').unwrap_or((part, part));
-        cpus.extend(a.parse::<usize>().unwrap()..=b.parse::<usize>().unwrap());
-    }
-    cpus
+    space_runtime::cpus::parse_list(&text)
 }
 
 /// The CPUs a sandbox's cgroup lets it run on.
