@@ -11,7 +11,7 @@
 //!
 //! A runtime the server reports as unavailable is skipped with a printed reason, or
 //! fails the test when named in `SPACE_TEST_REQUIRE_RUNTIMES` (as in conformance.rs).
-//! The fixture is host-wide (fixed names, routes to the documentation ranges), so the
+//! The fixture is host-wide (fixed names, a host route to each of its addresses), so the
 //! tests of every process take an `flock` on it in turn.
 
 mod common;
@@ -65,9 +65,17 @@ struct Inet {
     _listeners: Vec<TcpListener>,
 }
 
+/// The fixture's addresses, each routed from the host alone (a /32): a route for a whole
+/// documentation range would also catch any real service the host reaches in it (on some
+/// machines the package registries' proxy is in 203.0.113.0/24), and cut it off while the
+/// fixture exists, or for good if a killed test leaves the route behind.
+const FAR_IPS: [&str; 4] = [ALLOWED_IP, OTHER_IP, PORT_NET_IP, METADATA_IP];
+
 fn remove_inet() {
-    for r in ["203.0.113.0/24", "198.51.100.0/24", "169.254.169.254/32"] {
-        let _ = sh(&format!("ip route del {r} 2>/dev/null"));
+    for ip in FAR_IPS {
+        let _ = sh(&format!(
+            "ip route del {ip}/32 via {PRIVATE_IP} 2>/dev/null"
+        ));
     }
     let _ = sh(&format!("ip link del {INET_IF} 2>/dev/null"));
     let _ = sh(&format!("ip netns del {INET_NS} 2>/dev/null"));
@@ -118,11 +126,11 @@ impl Inet {
             "{n} link set lo up && {n} addr add {PRIVATE_IP}/30 dev eth0 && {n} link set eth0 up \
              && {n} route add default via 10.77.0.1"
         ));
-        for ip in [ALLOWED_IP, OTHER_IP, PORT_NET_IP, METADATA_IP] {
+        for ip in FAR_IPS {
             must(&format!("{n} addr add {ip}/32 dev lo"));
-        }
-        for r in ["203.0.113.0/24", "198.51.100.0/24", "169.254.169.254/32"] {
-            must(&format!("ip route add {r} via {PRIVATE_IP} dev {INET_IF}"));
+            must(&format!(
+                "ip route add {ip}/32 via {PRIVATE_IP} dev {INET_IF}"
+            ));
         }
         let stop = Arc::new(AtomicBool::new(false));
         // The far side's servers: a thread that joined the namespace makes the sockets.
