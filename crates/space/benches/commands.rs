@@ -47,6 +47,8 @@ const STREAM_RUNS: usize = 3;
 const CLIENTS: [usize; 3] = [1, 10, 50];
 /// Calls per concurrency level and side (split evenly over the clients).
 const CALLS: usize = 200;
+/// Processes a shell makes for the floor row (`/bin/true` in a loop).
+const FLOOR_PROCS: u32 = 100;
 /// Untimed `true` calls per side before the latency runs.
 const EXEC_WARMUPS: usize = 5;
 /// Longest one stream may take before the bench gives up.
@@ -66,6 +68,58 @@ fn main() {
     rt.block_on(check_ours(&c, &ours));
     check_raw(&raw, &rid);
 
+    // The raw side again, placed as our server places ours: on our sandbox's CPUs (the sides
+    // run one after the other, never at once). `None` where ours is not pinned or the raw
+    // cgroup has no cpuset.
+    let raw_all_cpus = rawsc::cgroup_cpus(rawsc::RAW_CGROUP_PARENT, &rid);
+    let pinned = rawsc::cgroup_cpus("space", &ours)
+        .zip(raw_all_cpus.clone())
+        .filter(|(o, all)| o != all)
+        .map(|(o, all)| RawPin { ours: o, all });
+    eprintln!(
+        "bench: our sandbox runs on CPUs {:?}, the raw one on {:?}",
+        rawsc::cgroup_cpus("space", &ours),
+        raw_all_cpus
+    );
+    // Runs `f` with the raw container pinned to our sandbox's CPUs, then unpins it.
+    let pinned_raw = |f: &mut dyn FnMut()| -> bool {
+        let Some(p) = &pinned else { return false };
+        if !rawsc::set_cgroup_cpus(rawsc::RAW_CGROUP_PARENT, &rid, &p.ours) {
+            return false;
+        }
+        f();
+        assert!(
+            rawsc::set_cgroup_cpus(rawsc::RAW_CGROUP_PARENT, &rid, &p.all),
+            "unpinning the raw container"
+        );
+        true
+    };
+
+    // 0. The floor: what making one process costs a sandbox, whoever asks for it. A shell in
+    // the sandbox runs `/bin/true` FLOOR_PROCS times; the sandbox CPU charged, per process.
+    let floor_script =
+        format!("i=0; while [ $i -lt {FLOOR_PROCS} ]; do /bin/true; i=$((i+1)); done");
+    let o_cpu0 = rawsc::cgroup_cpu("space", &ours);
+    let done = rt.block_on(rawsc::sh(&c, &ours, &floor_script));
+    assert_eq!(
+        done.result.as_ref().and_then(|r| r.exit_code),
+        Some(0),
+        "{done:?}"
+    );
+    let o_floor = rawsc::cgroup_cpu("space", &ours)
+        .zip(o_cpu0)
+        .map(|(b, a)| (b - a) / FLOOR_PROCS);
+    let raw_floor = || {
+        let r_cpu0 = rawsc::cgroup_cpu(rawsc::RAW_CGROUP_PARENT, &rid);
+        raw.exec(&rid, &["/bin/sh", "-c", &floor_script]);
+        rawsc::cgroup_cpu(rawsc::RAW_CGROUP_PARENT, &rid)
+            .zip(r_cpu0)
+            .map(|(b, a)| (b - a) / FLOOR_PROCS)
+    };
+    let r_floor_cpu = raw_floor();
+    let mut rp_floor_cpu = None;
+    pinned_raw(&mut || rp_floor_cpu = raw_floor());
+
     // 1. stdout throughput, interleaved so that background load hits both sides alike.
     eprintln!(
         "bench: stdout {} MiB x{STREAM_RUNS} (each side, after a {} MiB warm-up)",
@@ -83,15 +137,18 @@ fn main() {
     let mut o_plain = Vec::new();
     let mut o_raw = Vec::new();
     let mut r_stream = Vec::new();
+    let mut rp_stream = Vec::new();
     for i in 0..STREAM_RUNS {
         let o = rt.block_on(stream_ours(&c, &ours, STREAM_BYTES));
         let r = stream_raw(&raw, &rid, STREAM_BYTES);
+        pinned_raw(&mut || rp_stream.push(stream_raw(&raw, &rid, STREAM_BYTES)));
         eprintln!(
-            "bench: stream {i}: ours {:.0} MiB/s (format=raw {:.0} MiB/s, plain re-read {:.0} MiB/s), raw {:.0} MiB/s",
+            "bench: stream {i}: ours {:.0} MiB/s (format=raw {:.0} MiB/s, plain re-read {:.0} MiB/s), raw {:.0} MiB/s, raw pinned {:.0} MiB/s",
             mib_per_s(STREAM_BYTES, o.follow),
             mib_per_s(STREAM_BYTES, o.raw),
             mib_per_s(STREAM_BYTES, o.plain),
-            mib_per_s(STREAM_BYTES, r)
+            mib_per_s(STREAM_BYTES, r),
+            rp_stream.last().map_or(0.0, |d| mib_per_s(STREAM_BYTES, *d))
         );
         o_follow.push(o.follow);
         o_plain.push(o.plain);
@@ -137,6 +194,17 @@ fn main() {
         let r_cpu = rawsc::cgroup_cpu(rawsc::RAW_CGROUP_PARENT, &rid)
             .zip(r_cpu0)
             .map(|(b, a)| b - a);
+        let mut raw_pinned = None;
+        pinned_raw(&mut || {
+            let cpu0 = rawsc::cgroup_cpu(rawsc::RAW_CGROUP_PARENT, &rid);
+            let t0 = Instant::now();
+            let lat = latency_raw(&raw, &rid, clients, calls);
+            let wall = t0.elapsed();
+            let cpu = rawsc::cgroup_cpu(rawsc::RAW_CGROUP_PARENT, &rid)
+                .zip(cpu0)
+                .map(|(b, a)| b - a);
+            raw_pinned = Some((lat, wall, cpu));
+        });
         eprintln!(
             "bench: exec true, {clients} clients x {calls}: ours p50 {:.1} ms in {:.1} s, raw p50 {:.1} ms in {:.1} s",
             ms(percentile(&o.iter().map(|c| c.0).collect::<Vec<_>>(), 50)),
@@ -154,6 +222,7 @@ fn main() {
             raw_wall: r_wall,
             ours_cpu: o_cpu,
             raw_cpu: r_cpu,
+            raw_pinned,
         });
     }
     rt.block_on(check_ours(&c, &ours));
@@ -225,6 +294,34 @@ fn main() {
         "n/a".into(),
         format!("{:.1} MiB/s", rate(r_hop)),
     );
+    if let (Some(o), Some(r)) = (o_floor, r_floor_cpu) {
+        row(
+            "a shell's fork+exec of `true`, CPU",
+            "mean",
+            ms(o),
+            ms(r),
+            "ms",
+        );
+    }
+    if let (Some(o), Some(r)) = (o_floor, rp_floor_cpu) {
+        row("  the same, raw pinned (extra)", "mean", ms(o), ms(r), "ms");
+    }
+    if !rp_stream.is_empty() {
+        row(
+            "  stdout vs raw pinned (extra)",
+            "median",
+            rate(median(&o_follow)),
+            rate(median(&rp_stream)),
+            "MiB/s",
+        );
+        row(
+            "  format=raw vs raw pinned (extra)",
+            "median",
+            rate(median(&o_raw)),
+            rate(median(&rp_stream)),
+            "MiB/s",
+        );
+    }
     for l in &levels {
         let clients = format!(
             "{} client{}",
@@ -256,6 +353,31 @@ fn main() {
                 "ms",
             );
         }
+        if let Some((lat, wall, cpu)) = &l.raw_pinned {
+            row(
+                "  p50 vs raw pinned (extra)",
+                "p50",
+                ms(percentile(&l.ours, 50)),
+                ms(percentile(lat, 50)),
+                "ms",
+            );
+            row(
+                "  calls/s vs raw pinned (extra)",
+                "",
+                n / l.ours_wall.as_secs_f64(),
+                n / wall.as_secs_f64(),
+                "/s",
+            );
+            if let (Some(o), Some(r)) = (l.ours_cpu, cpu) {
+                row(
+                    "  CPU per call vs raw pinned (extra)",
+                    "mean",
+                    ms(o) / n,
+                    ms(*r) / n,
+                    "ms",
+                );
+            }
+        }
     }
     println!(
         "notes: ratio = ours / raw (above 1 is better for MiB/s and calls/s, worse for ms). \
@@ -275,7 +397,13 @@ fn main() {
          in the agent = result.duration_ms, from the agent taking the spawn request to reaping \
          `true`; sandbox CPU per call = the CPU charged to each side's sandbox cgroup over \
          the level (Sentry, agent and `true` together), divided by the calls: with the \
-         sandbox's vCPU quota it bounds the calls per second either side can reach. `echo ok` checked on both sides after each part.",
+         sandbox's vCPU quota it bounds the calls per second either side can reach. \
+         raw pinned = the raw container again, its cgroup's cpuset.cpus set to our sandbox's \
+         (as our server places sandboxes; raw runsc does not), then set back; a shell's \
+         fork+exec of `true` = the sandbox CPU charged while `sh -c` in the sandbox runs \
+         `/bin/true` {FLOOR_PROCS} times (ours through POST with wait:true, raw through \
+         `runsc exec`), divided by {FLOOR_PROCS}: what making one process costs the sandbox \
+         whoever asks for it. `echo ok` checked on both sides after each part.",
         WARMUP_STREAM_BYTES >> 20
     );
 }
@@ -293,6 +421,14 @@ struct Level {
     /// CPU charged to each side's sandbox cgroup over the level (`None`: not readable).
     ours_cpu: Option<Duration>,
     raw_cpu: Option<Duration>,
+    /// The raw side again, pinned to our sandbox's CPUs: latencies, wall time, CPU.
+    raw_pinned: Option<(Vec<Duration>, Duration, Option<Duration>)>,
+}
+
+/// Our sandbox's CPUs, and all the raw container's (to unpin it again).
+struct RawPin {
+    ours: String,
+    all: String,
 }
 
 /// Timings of one of our streams.

@@ -468,6 +468,29 @@ pub fn cgroup_cpu(parent: &str, id: &str) -> Option<Duration> {
         .map(Duration::from_micros)
 }
 
+/// The `cpuset.cpus` file of the container cgroup `parent/id` (v1's cpuset controller, or
+/// v2's unified tree where the controller is delegated); `None` where there is none.
+fn cpuset_file(parent: &str, id: &str) -> Option<PathBuf> {
+    let base = PathBuf::from("/sys/fs/cgroup");
+    [base.join("cpuset"), base]
+        .into_iter()
+        .map(|b| b.join(parent).join(id).join("cpuset.cpus"))
+        .find(|f| f.exists())
+}
+
+/// The CPUs the container cgroup `parent/id` may run on, as its `cpuset.cpus` says
+/// (`None` where it has no cpuset).
+pub fn cgroup_cpus(parent: &str, id: &str) -> Option<String> {
+    let text = std::fs::read_to_string(cpuset_file(parent, id)?).ok()?;
+    Some(text.trim().to_string()).filter(|t| !t.is_empty())
+}
+
+/// Sets the CPUs of the container cgroup `parent/id` (a `cpuset.cpus` list such as `0` or
+/// `0-1`); whether it took. Tasks already in the cgroup move with it.
+pub fn set_cgroup_cpus(parent: &str, id: &str, cpus: &str) -> bool {
+    cpuset_file(parent, id).is_some_and(|f| std::fs::write(f, cpus).is_ok())
+}
+
 pub fn remove_cgroups(id: &str) {
     for c in cgroup_dirs() {
         let _ = std::fs::remove_dir(c.join(RAW_CGROUP_PARENT).join(id));
