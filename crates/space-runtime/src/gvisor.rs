@@ -89,7 +89,7 @@ pub struct GvisorRuntime {
     /// `runsc --root` of template build steps.
     build_root: PathBuf,
     platform: String,
-    /// Gives each sandbox CPUs of its own (`space serve --no-cpu-pinning` turns it off).
+    /// Gives each sandbox CPUs of its own where `space serve --cpu-pinning` asks for it.
     cpus: CpuPlacer,
 }
 
@@ -100,11 +100,11 @@ impl GvisorRuntime {
             state_root,
             build_root,
             platform,
-            cpus: CpuPlacer::new(true, CGROUP_PARENT),
+            cpus: CpuPlacer::new(false, CGROUP_PARENT),
         }
     }
 
-    /// Whether sandboxes get CPUs of their own (on by default; see [`crate::cpus`]).
+    /// Whether sandboxes get CPUs of their own (off by default; see [`crate::cpus`]).
     pub fn with_cpu_pinning(mut self, on: bool) -> Self {
         self.cpus = CpuPlacer::new(on, CGROUP_PARENT);
         self

@@ -56,7 +56,8 @@ const STREAM_LIMIT: Duration = Duration::from_secs(300);
 
 fn main() {
     let (rt, facts) = bench_start();
-    let server = rt.block_on(TestServer::start_with(&["--output-cap-mib", "0"]));
+    let flags = rawsc::server_flags(&["--output-cap-mib", "0"]);
+    let server = rt.block_on(TestServer::start_with(&flags));
     let c = rawsc::client_of(&server);
 
     // Our sandbox; its OCI bundle is the one the raw side runs.
@@ -143,12 +144,15 @@ fn main() {
         let r = stream_raw(&raw, &rid, STREAM_BYTES);
         pinned_raw(&mut || rp_stream.push(stream_raw(&raw, &rid, STREAM_BYTES)));
         eprintln!(
-            "bench: stream {i}: ours {:.0} MiB/s (format=raw {:.0} MiB/s, plain re-read {:.0} MiB/s), raw {:.0} MiB/s, raw pinned {:.0} MiB/s",
+            "bench: stream {i}: ours {:.0} MiB/s (format=raw {:.0} MiB/s, plain re-read {:.0} MiB/s), raw {:.0} MiB/s, raw pinned {}",
             mib_per_s(STREAM_BYTES, o.follow),
             mib_per_s(STREAM_BYTES, o.raw),
             mib_per_s(STREAM_BYTES, o.plain),
             mib_per_s(STREAM_BYTES, r),
-            rp_stream.last().map_or(0.0, |d| mib_per_s(STREAM_BYTES, *d))
+            rp_stream.last().map_or("n/a".to_string(), |d| format!(
+                "{:.0} MiB/s",
+                mib_per_s(STREAM_BYTES, *d)
+            ))
         );
         o_follow.push(o.follow);
         o_plain.push(o.plain);

@@ -175,7 +175,8 @@ fn main() {
     let big = write_data(data.path());
     let tree = data.path().join("tree");
 
-    let server = rt.block_on(TestServer::start_with(&["--max-upload-mib", "4096"]));
+    let flags = rawsc::server_flags(&["--max-upload-mib", "4096"]);
+    let server = rt.block_on(TestServer::start_with(&flags));
     let c = rawsc::client_of(&server);
     let req = CreateSandboxRequest {
         template: "busybox".into(),

@@ -126,10 +126,15 @@ struct ServeArgs {
     /// gVisor platform.
     #[arg(long, default_value = "systrap")]
     platform: String,
-    /// Leave gVisor sandboxes free to run on any CPU. By default a sandbox with fewer
-    /// vCPUs than the host has CPUs gets that many CPUs of its own, the least used ones
-    /// (its cpuset cgroup): its threads wake each other on one CPU, which is much cheaper.
+    /// Give each gVisor sandbox with fewer vCPUs than the host has CPUs that many CPUs of
+    /// its own, the least used ones (its cpuset cgroup): its threads then wake each other on
+    /// one CPU, which on a nested host is much cheaper. Off by default: see docs/RUNTIMES.md,
+    /// CPU placement.
     #[arg(long)]
+    cpu_pinning: bool,
+    /// Sandboxes free to run on any CPU: the default; kept so that scripts written when
+    /// pinning was the default still start (it wins over `--cpu-pinning`).
+    #[arg(long, hide = true)]
     no_cpu_pinning: bool,
     /// Creates that may boot at the same time; more wait as `pending`.
     #[arg(long, default_value_t = 4)]
@@ -558,7 +563,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         args.data_dir.join("build-runsc"),
         args.platform.clone(),
     )
-    .with_cpu_pinning(!args.no_cpu_pinning);
+    .with_cpu_pinning(args.cpu_pinning && !args.no_cpu_pinning);
     let runtimes = runtimes(&args, runtime)?;
     let build_runtime = build_runtime(&args, &runtimes)?;
     let cfg = service::Config {

@@ -655,11 +655,12 @@ fn sandbox_cpus(sb: &str) -> Vec<usize> {
 }
 
 /// Each sandbox with fewer vCPUs than the host has CPUs gets CPUs of its own, the least
-/// used ones; a suspended one is placed again when it resumes; `--no-cpu-pinning` and a
-/// sandbox as large as the host leave it free.
+/// used ones, with `--cpu-pinning`; a suspended one is placed again when it resumes; a
+/// server without it (the default), `--no-cpu-pinning` (which wins) and a sandbox as large
+/// as the host leave it free.
 #[tokio::test]
 async fn sandboxes_get_cpus_of_their_own() {
-    let s = TestServer::start().await;
+    let s = TestServer::start_with(&["--cpu-pinning"]).await;
     let a = s
         .create_with(json!({"template": "busybox", "resources": {"vcpus": 1}}))
         .await;
@@ -710,13 +711,17 @@ async fn sandboxes_get_cpus_of_their_own() {
         s.assert_nothing_left(sb);
     }
 
-    // Pinning off: a small sandbox may run anywhere.
-    let s = TestServer::start_with(&["--no-cpu-pinning"]).await;
-    let c = s
-        .create_with(json!({"template": "busybox", "resources": {"vcpus": 1}}))
-        .await;
-    assert_eq!(sandbox_cpus(&c).len(), host);
-    assert_eq!(s.sh(&c, "echo free").await["stdout"], "free\n");
-    s.destroy(&c).await;
-    s.assert_nothing_left(&c);
+    drop(s);
+
+    // Pinning off, by default or by the old flag (which wins): a small sandbox may run anywhere.
+    for flags in [&[][..], &["--cpu-pinning", "--no-cpu-pinning"][..]] {
+        let s = TestServer::start_with(flags).await;
+        let c = s
+            .create_with(json!({"template": "busybox", "resources": {"vcpus": 1}}))
+            .await;
+        assert_eq!(sandbox_cpus(&c).len(), host, "{flags:?}");
+        assert_eq!(s.sh(&c, "echo free").await["stdout"], "free\n");
+        s.destroy(&c).await;
+        s.assert_nothing_left(&c);
+    }
 }

@@ -586,6 +586,17 @@ pub fn bench_start() -> (tokio::runtime::Runtime, String) {
     (rt, facts)
 }
 
+/// `flags` for the bench's server, with `--cpu-pinning` added when `SPACE_BENCH_CPU_PINNING`
+/// is set (the server's own default leaves sandboxes free to run on any CPU). Says which.
+pub fn server_flags<'a>(flags: &[&'a str]) -> Vec<&'a str> {
+    let mut all = flags.to_vec();
+    if std::env::var_os("SPACE_BENCH_CPU_PINNING").is_some() {
+        all.push("--cpu-pinning");
+    }
+    eprintln!("bench: our server runs with {all:?}");
+    all
+}
+
 /// A client of the bench's server: its own connections, the harness's token, and
 /// the harness's per-request deadline.
 pub fn client_of(server: &TestServer) -> Client {
