@@ -33,13 +33,7 @@ pub struct CpuPlacer {
 impl CpuPlacer {
     /// `parent`: the sandboxes' cgroup parent's name (`space`).
     pub fn new(enabled: bool, parent: &str) -> Self {
-        let v1 = Path::new("/sys/fs/cgroup/cpuset").join(parent);
-        let parent = if Path::new("/sys/fs/cgroup/cpuset").is_dir() {
-            v1
-        } else {
-            Path::new("/sys/fs/cgroup").join(parent)
-        };
-        CpuPlacer::at(enabled, parent)
+        CpuPlacer::at(enabled, cpuset_parent(parent))
     }
 
     /// A placer over the cgroup directory `parent` (tests point it at a plain directory).
@@ -97,6 +91,17 @@ impl CpuPlacer {
             }
         }
         counts
+    }
+}
+
+/// The directory of the cgroup parent named `parent` (`space`) in the hierarchy that has the
+/// cpuset controller: cgroup v1's cpuset one, or else the v2 unified one.
+pub fn cpuset_parent(parent: &str) -> PathBuf {
+    let v1 = Path::new("/sys/fs/cgroup/cpuset");
+    if v1.is_dir() {
+        v1.join(parent)
+    } else {
+        Path::new("/sys/fs/cgroup").join(parent)
     }
 }
 

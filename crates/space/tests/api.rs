@@ -635,12 +635,7 @@ async fn the_agent_socket_refuses_impostors() {
 
 /// The sandboxes' cpuset cgroup parent on this host (v1's cpuset hierarchy, or v2).
 fn cpuset_parent() -> std::path::PathBuf {
-    let v1 = Path::new("/sys/fs/cgroup/cpuset/space");
-    if v1.is_dir() {
-        v1.to_path_buf()
-    } else {
-        Path::new("/sys/fs/cgroup/space").to_path_buf()
-    }
+    space_runtime::cpus::cpuset_parent("space")
 }
 
 /// The CPUs a cpuset cgroup file lists.

@@ -471,11 +471,10 @@ pub fn cgroup_cpu(parent: &str, id: &str) -> Option<Duration> {
 /// The `cpuset.cpus` file of the container cgroup `parent/id` (v1's cpuset controller, or
 /// v2's unified tree where the controller is delegated); `None` where there is none.
 fn cpuset_file(parent: &str, id: &str) -> Option<PathBuf> {
-    let base = PathBuf::from("/sys/fs/cgroup");
-    [base.join("cpuset"), base]
-        .into_iter()
-        .map(|b| b.join(parent).join(id).join("cpuset.cpus"))
-        .find(|f| f.exists())
+    let f = space_runtime::cpus::cpuset_parent(parent)
+        .join(id)
+        .join("cpuset.cpus");
+    f.exists().then_some(f)
 }
 
 /// The CPUs the container cgroup `parent/id` may run on, as its `cpuset.cpus` says
