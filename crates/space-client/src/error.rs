@@ -30,6 +30,15 @@ pub enum ClientError {
         #[source]
         source: reqwest::Error,
     },
+    /// The server took the request but gave no answer within the client's timeout
+    /// (`ClientBuilder::timeout`): it may still carry the request out.
+    #[error("the space server at {url} gave no answer within {after:?}")]
+    TimedOut {
+        url: String,
+        after: Duration,
+        #[source]
+        source: reqwest::Error,
+    },
     /// An answer that broke off before its end.
     #[error("the answer of the space server at {url} broke off")]
     Body {
@@ -105,8 +114,13 @@ impl ClientError {
     pub fn is_transport(&self) -> bool {
         matches!(
             self,
-            ClientError::Transport { .. } | ClientError::Body { .. }
+            ClientError::Transport { .. } | ClientError::TimedOut { .. } | ClientError::Body { .. }
         )
+    }
+
+    /// No answer within the client's timeout (`TimedOut`).
+    pub fn is_timeout(&self) -> bool {
+        matches!(self, ClientError::TimedOut { .. })
     }
 
     pub(crate) fn decode(what: impl Into<String>, source: impl Into<BoxError>) -> Self {

@@ -311,9 +311,10 @@ impl Client {
     }
 
     fn transport(&self, source: reqwest::Error) -> ClientError {
-        ClientError::Transport {
-            url: self.base_str.clone(),
-            source,
+        let url = self.base_str.clone();
+        match self.timeout {
+            Some(after) if source.is_timeout() => ClientError::TimedOut { url, after, source },
+            _ => ClientError::Transport { url, source },
         }
     }
 
@@ -528,5 +529,26 @@ mod answer_tests {
             e.to_string(),
             format!("cannot reach the space server at {url}")
         );
+    }
+
+    #[tokio::test]
+    async fn a_server_that_never_answers_is_a_timeout_not_an_unreachable_one() {
+        // Takes the connection and reads the request, but never answers.
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let held = tokio::spawn(async move {
+            let (conn, _) = listener.accept().await.unwrap();
+            std::future::pending::<()>().await;
+            drop(conn);
+        });
+        let after = Duration::from_millis(300);
+        let c = Client::builder(&url, "t").timeout(after).build().unwrap();
+        let e = c.sandbox("sb_x").await.unwrap_err();
+        assert!(e.is_timeout() && e.is_transport(), "{e:?}");
+        assert_eq!(
+            e.to_string(),
+            format!("the space server at {url} gave no answer within 300ms")
+        );
+        held.abort();
     }
 }
