@@ -139,9 +139,28 @@ fn main() {
     let mut o_raw = Vec::new();
     let mut r_stream = Vec::new();
     let mut rp_stream = Vec::new();
+    // Sandbox CPU per streamed MiB, each side: steadier than MiB/s on a host whose speed
+    // swings from run to run, and what bounds a 1-vCPU sandbox's stream.
+    let mut o_cpu_mib = Vec::new();
+    let mut r_cpu_mib = Vec::new();
+    let per_mib = |after: Option<Duration>, before: Option<Duration>, streams: u64| {
+        after
+            .zip(before)
+            .map(|(a, b)| (a - b) / u32::try_from(streams * (STREAM_BYTES >> 20)).unwrap())
+    };
     for i in 0..STREAM_RUNS {
+        let o_cpu0 = rawsc::cgroup_cpu("space", &ours);
         let o = rt.block_on(stream_ours(&c, &ours, STREAM_BYTES));
+        // Two commands streamed (followed as NDJSON, then as raw bytes); the re-read in
+        // between runs nothing in the sandbox.
+        o_cpu_mib.extend(per_mib(rawsc::cgroup_cpu("space", &ours), o_cpu0, 2));
+        let r_cpu0 = rawsc::cgroup_cpu(rawsc::RAW_CGROUP_PARENT, &rid);
         let r = stream_raw(&raw, &rid, STREAM_BYTES);
+        r_cpu_mib.extend(per_mib(
+            rawsc::cgroup_cpu(rawsc::RAW_CGROUP_PARENT, &rid),
+            r_cpu0,
+            1,
+        ));
         pinned_raw(&mut || rp_stream.push(stream_raw(&raw, &rid, STREAM_BYTES)));
         eprintln!(
             "bench: stream {i}: ours {:.0} MiB/s (format=raw {:.0} MiB/s, plain re-read {:.0} MiB/s), raw {:.0} MiB/s, raw pinned {}",
@@ -273,6 +292,15 @@ fn main() {
         rate(max(&r_stream)),
         "MiB/s",
     );
+    if !o_cpu_mib.is_empty() && o_cpu_mib.len() == r_cpu_mib.len() {
+        row(
+            "  sandbox CPU per MiB streamed",
+            "median",
+            ms(median(&o_cpu_mib)),
+            ms(median(&r_cpu_mib)),
+            "ms",
+        );
+    }
     row(
         "  POST to result line (extra)",
         "median",
@@ -394,7 +422,7 @@ fn main() {
          whole `runsc exec /bin/head` process, stdout counted through a pipe; re-read = GET \
          output?stream=stdout without follow after the end; head to /dev/null = `runsc exec \
          /bin/sh -c 'head ... > /dev/null'`; head | cat = the same through one pipe in the \
-         sandbox to `cat > /dev/null`, the toll of any relay by an in-sandbox process. One untimed {} MiB warm-up stream and \
+         sandbox to `cat > /dev/null`, the toll of any relay by an in-sandbox process; sandbox CPU per MiB streamed = the CPU charged to each side's sandbox cgroup over one run of the stream (ours: the NDJSON and the format=raw command together), divided by the MiB streamed. One untimed {} MiB warm-up stream and \
          {EXEC_WARMUPS} untimed `true` calls per side. ours exec = POST with wait:true from \
          each client on its own connection; raw exec = a whole `runsc exec /bin/true` process \
          per call; each client makes its calls one after another, ours at a level before raw; \
