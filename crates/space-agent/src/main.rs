@@ -195,7 +195,8 @@ const TRIM_THRESHOLD: libc::c_int = 16 << 20;
 /// it. With glibc's defaults the heap's top gave those pages back over and over (its trim
 /// threshold adapts to about twice a chunk), and every chunk then touched fresh pages: a
 /// page fault each 4 KiB, which gVisor makes expensive. Keeping up to [`TRIM_THRESHOLD`]
-/// cut the sandbox CPU a streamed MiB costs by about an eighth (`benches/commands.rs`). Called before any thread exists.
+/// cut the sandbox CPU a streamed MiB costs from 1.53× raw `runsc exec`'s to 1.27×
+/// (`benches/commands.rs`). Called before any thread exists.
 fn keep_freed_memory() {
     // SAFETY: mallopt only sets the allocator's parameters; no other thread allocates yet.
     let ok = unsafe {
