@@ -100,22 +100,21 @@ fn main() {
     // the sandbox runs `/bin/true` FLOOR_PROCS times; the sandbox CPU charged, per process.
     let floor_script =
         format!("i=0; while [ $i -lt {FLOOR_PROCS} ]; do /bin/true; i=$((i+1)); done");
-    let o_cpu0 = rawsc::cgroup_cpu("space", &ours);
-    let done = rt.block_on(rawsc::sh(&c, &ours, &floor_script));
+    let (done, o_floor) = rawsc::cpu_over("space", &ours, || {
+        rt.block_on(rawsc::sh(&c, &ours, &floor_script))
+    });
     assert_eq!(
         done.result.as_ref().and_then(|r| r.exit_code),
         Some(0),
         "{done:?}"
     );
-    let o_floor = rawsc::cgroup_cpu("space", &ours)
-        .zip(o_cpu0)
-        .map(|(b, a)| (b - a) / FLOOR_PROCS);
+    let o_floor = o_floor.map(|d| d / FLOOR_PROCS);
     let raw_floor = || {
-        let r_cpu0 = rawsc::cgroup_cpu(rawsc::RAW_CGROUP_PARENT, &rid);
-        raw.exec(&rid, &["/bin/sh", "-c", &floor_script]);
-        rawsc::cgroup_cpu(rawsc::RAW_CGROUP_PARENT, &rid)
-            .zip(r_cpu0)
-            .map(|(b, a)| (b - a) / FLOOR_PROCS)
+        rawsc::cpu_over(rawsc::RAW_CGROUP_PARENT, &rid, || {
+            raw.exec(&rid, &["/bin/sh", "-c", &floor_script])
+        })
+        .1
+        .map(|d| d / FLOOR_PROCS)
     };
     let r_floor_cpu = raw_floor();
     let mut rp_floor_cpu = None;
@@ -143,24 +142,20 @@ fn main() {
     // swings from run to run, and what bounds a 1-vCPU sandbox's stream.
     let mut o_cpu_mib = Vec::new();
     let mut r_cpu_mib = Vec::new();
-    let per_mib = |after: Option<Duration>, before: Option<Duration>, streams: u64| {
-        after
-            .zip(before)
-            .map(|(a, b)| (a - b) / u32::try_from(streams * (STREAM_BYTES >> 20)).unwrap())
+    let per_mib = |cpu: Option<Duration>, streams: u64| {
+        cpu.map(|d| d / u32::try_from(streams * (STREAM_BYTES >> 20)).unwrap())
     };
     for i in 0..STREAM_RUNS {
-        let o_cpu0 = rawsc::cgroup_cpu("space", &ours);
-        let o = rt.block_on(stream_ours(&c, &ours, STREAM_BYTES));
+        let (o, o_cpu) = rawsc::cpu_over("space", &ours, || {
+            rt.block_on(stream_ours(&c, &ours, STREAM_BYTES))
+        });
         // Two commands streamed (followed as NDJSON, then as raw bytes); the re-read in
         // between runs nothing in the sandbox.
-        o_cpu_mib.extend(per_mib(rawsc::cgroup_cpu("space", &ours), o_cpu0, 2));
-        let r_cpu0 = rawsc::cgroup_cpu(rawsc::RAW_CGROUP_PARENT, &rid);
-        let r = stream_raw(&raw, &rid, STREAM_BYTES);
-        r_cpu_mib.extend(per_mib(
-            rawsc::cgroup_cpu(rawsc::RAW_CGROUP_PARENT, &rid),
-            r_cpu0,
-            1,
-        ));
+        o_cpu_mib.extend(per_mib(o_cpu, 2));
+        let (r, r_cpu) = rawsc::cpu_over(rawsc::RAW_CGROUP_PARENT, &rid, || {
+            stream_raw(&raw, &rid, STREAM_BYTES)
+        });
+        r_cpu_mib.extend(per_mib(r_cpu, 1));
         pinned_raw(&mut || rp_stream.push(stream_raw(&raw, &rid, STREAM_BYTES)));
         eprintln!(
             "bench: stream {i}: ours {:.0} MiB/s (format=raw {:.0} MiB/s, plain re-read {:.0} MiB/s), raw {:.0} MiB/s, raw pinned {}",
@@ -203,29 +198,22 @@ fn main() {
     for &clients in levels_wanted {
         let calls = CALLS.div_ceil(clients);
         // The CPU each side's sandbox is charged for (its cgroup, capped by its vCPU quota).
-        let o_cpu0 = rawsc::cgroup_cpu("space", &ours);
-        let t0 = Instant::now();
-        let o = rt.block_on(latency_ours(&server, &ours, clients, calls));
-        let o_wall = t0.elapsed();
-        let o_cpu = rawsc::cgroup_cpu("space", &ours)
-            .zip(o_cpu0)
-            .map(|(b, a)| b - a);
-        let r_cpu0 = rawsc::cgroup_cpu(rawsc::RAW_CGROUP_PARENT, &rid);
-        let t0 = Instant::now();
-        let r = latency_raw(&raw, &rid, clients, calls);
-        let r_wall = t0.elapsed();
-        let r_cpu = rawsc::cgroup_cpu(rawsc::RAW_CGROUP_PARENT, &rid)
-            .zip(r_cpu0)
-            .map(|(b, a)| b - a);
+        let ((o, o_wall), o_cpu) = rawsc::cpu_over("space", &ours, || {
+            let t0 = Instant::now();
+            let o = rt.block_on(latency_ours(&server, &ours, clients, calls));
+            (o, t0.elapsed())
+        });
+        let timed_raw = || {
+            rawsc::cpu_over(rawsc::RAW_CGROUP_PARENT, &rid, || {
+                let t0 = Instant::now();
+                let r = latency_raw(&raw, &rid, clients, calls);
+                (r, t0.elapsed())
+            })
+        };
+        let ((r, r_wall), r_cpu) = timed_raw();
         let mut raw_pinned = None;
         pinned_raw(&mut || {
-            let cpu0 = rawsc::cgroup_cpu(rawsc::RAW_CGROUP_PARENT, &rid);
-            let t0 = Instant::now();
-            let lat = latency_raw(&raw, &rid, clients, calls);
-            let wall = t0.elapsed();
-            let cpu = rawsc::cgroup_cpu(rawsc::RAW_CGROUP_PARENT, &rid)
-                .zip(cpu0)
-                .map(|(b, a)| b - a);
+            let ((lat, wall), cpu) = timed_raw();
             raw_pinned = Some((lat, wall, cpu));
         });
         eprintln!(
@@ -422,7 +410,10 @@ fn main() {
          whole `runsc exec /bin/head` process, stdout counted through a pipe; re-read = GET \
          output?stream=stdout without follow after the end; head to /dev/null = `runsc exec \
          /bin/sh -c 'head ... > /dev/null'`; head | cat = the same through one pipe in the \
-         sandbox to `cat > /dev/null`, the toll of any relay by an in-sandbox process; sandbox CPU per MiB streamed = the CPU charged to each side's sandbox cgroup over one run of the stream (ours: the NDJSON and the format=raw command together), divided by the MiB streamed. One untimed {} MiB warm-up stream and \
+         sandbox to `cat > /dev/null`, the toll of any relay by an in-sandbox process; sandbox CPU per MiB \
+         streamed = the CPU charged to each side's sandbox cgroup over one run of the stream \
+         (ours: the NDJSON and the format=raw command together), divided by the MiB \
+         streamed. One untimed {} MiB warm-up stream and \
          {EXEC_WARMUPS} untimed `true` calls per side. ours exec = POST with wait:true from \
          each client on its own connection; raw exec = a whole `runsc exec /bin/true` process \
          per call; each client makes its calls one after another, ours at a level before raw; \

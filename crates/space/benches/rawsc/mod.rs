@@ -449,6 +449,17 @@ pub fn cgroup_dirs() -> Vec<PathBuf> {
     dirs
 }
 
+/// Runs `f`; what it returned and the CPU charged to the container cgroup `parent/id`
+/// meanwhile (`None` where the cgroup's CPU cannot be read).
+pub fn cpu_over<T>(parent: &str, id: &str, f: impl FnOnce() -> T) -> (T, Option<Duration>) {
+    let before = cgroup_cpu(parent, id);
+    let out = f();
+    let spent = cgroup_cpu(parent, id)
+        .zip(before)
+        .map(|(after, before)| after - before);
+    (out, spent)
+}
+
 /// CPU time charged so far to the container cgroup `parent/id` (cgroup v1's cpuacct, or
 /// v2's `cpu.stat`): what a sandbox spends, its Sentry and its processes together.
 pub fn cgroup_cpu(parent: &str, id: &str) -> Option<Duration> {
