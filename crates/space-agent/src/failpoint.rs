@@ -6,6 +6,10 @@
 //! `agent:wedge`: asked to run `space-failpoint wedge SECONDS`, the agent stops
 //! answering anything (every worker thread blocks) for SECONDS, or for good with 0:
 //! how tests show that the host notices a stuck agent and that no request waits on it.
+//!
+//! `agent:silent`: the agent connects to the host and never says hello, as a guest that
+//! stalls after opening its link would: how tests show that a create whose agent never
+//! dials in boots the sandbox again.
 
 use std::time::{Duration, Instant};
 
@@ -38,6 +42,11 @@ pub fn wedge_if_asked(argv: &[String]) -> bool {
     }
     block(until);
     true
+}
+
+/// Whether the agent is to stay silent on its host connections (`agent:silent`).
+pub fn silent() -> bool {
+    active("agent:silent")
 }
 
 fn block(until: Option<Instant>) {

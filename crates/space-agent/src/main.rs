@@ -383,6 +383,13 @@ where
                 continue;
             }
         };
+        if failpoint::silent() {
+            note!("space-agent: failpoint agent:silent: connected, saying nothing");
+            let _held = stream;
+            loop {
+                std::future::pending::<()>().await;
+            }
+        }
         match tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake(&mut stream, cfg)).await {
             Ok(Ok(reply)) if reply.ok => {
                 backoff = BACKOFF_MIN;

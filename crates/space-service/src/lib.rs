@@ -62,6 +62,8 @@ pub use tenancy::{Limits, Principal, Tenant};
 const CAS_ATTEMPTS: usize = 32;
 /// How long a booted sandbox's agent may take to dial in.
 const AGENT_CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
+/// Boots a create tries before it gives up on an agent that never dials in.
+const CREATE_ATTEMPTS: u32 = 2;
 /// How long a re-adopted sandbox's agent may take to dial back in after a restart.
 const READOPT_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -599,74 +601,40 @@ impl Service {
             })?
             .0;
 
-        self.update_op(op_id, |op| op.progress = Some("booting the sandbox".into()))
-            .map_err(internal)?;
-        let dir = self.sandbox_dir(id);
-        let run_dir = dir.join("run");
-        std::fs::create_dir_all(&run_dir).map_err(|e| {
-            ApiError::new(
-                ErrorCode::Internal,
-                format!("creating {}: {e}", run_dir.display()),
-            )
-        })?;
-        write_secret(&run_dir.join("token"), &rec.agent_token).map_err(|e| {
-            ApiError::new(ErrorCode::Internal, format!("writing the agent token: {e}"))
-        })?;
-        self.start_listener(handle, &rec).map_err(|e| {
-            ApiError::new(ErrorCode::Internal, format!("listening for the agent: {e}"))
-        })?;
-        let spec = SandboxSpec {
-            id: id.clone(),
-            rootfs: template.rootfs.clone(),
-            state_dir: dir.clone(),
-            run_dir,
-            agent_dir: self.0.cfg.agent_dir.clone(),
-            agent_env: vec![
-                ("SPACE_SANDBOX_ID".into(), id.clone()),
-                ("SPACE_AGENT_SOCKET".into(), "/.space/run/agent.sock".into()),
-                ("SPACE_AGENT_TOKEN_FILE".into(), "/.space/run/token".into()),
-                ("PATH".into(), "/usr/sbin:/usr/bin:/sbin:/bin".into()),
-                (
-                    "SPACE_PIDS_LIMIT".into(),
-                    rec.sandbox.resources.pids.unwrap_or(0).to_string(),
-                ),
-            ]
-            .into_iter()
-            .chain(agent_failpoint())
-            .collect(),
-            vcpus: rec.sandbox.resources.vcpus.unwrap_or(0),
-            memory_mib: rec.sandbox.resources.memory_mib.unwrap_or(0),
-            pids: rec.sandbox.resources.pids.unwrap_or(0),
-            disk_mib: rec.sandbox.resources.disk_mib.unwrap_or(0),
-            hostname: id.replace('_', "-"),
-            network: network::egress_config(&rec.sandbox.network),
-        };
-        self.0
-            .runtimes
-            .get(&rec.sandbox.runtime)
-            .map_err(|why| ApiError::new(ErrorCode::RuntimeUnavailable, why))?
-            .create(&spec)
-            .await
-            .map_err(|e| ApiError::new(ErrorCode::RuntimeFailed, error_chain(&e)))?;
-        failpoint("create:after_boot");
-        self.update_op(op_id, |op| {
-            op.progress = Some("waiting for the agent".into())
-        })
-        .map_err(internal)?;
-        let mut rx = handle.agent.subscribe();
-        let conn = match agent::wait_connected(&mut rx, AGENT_CONNECT_TIMEOUT).await {
-            Ok(conn) => conn,
-            Err(_) => {
-                self.log_silent_agent(id, "a created sandbox's agent never dialled in")
-                    .await;
+        // Seen rarely under load with TCG microVMs: a guest whose agent opened its link to
+        // the host and then said nothing, not even its own timeouts' notes, for as long as it
+        // was waited for. A sandbox being created holds nothing yet, so it is destroyed and
+        // booted once more; what the first boot showed is logged.
+        let mut attempt = 1;
+        let conn = loop {
+            let progress = match attempt {
+                1 => "booting the sandbox".to_string(),
+                n => format!("booting the sandbox again (attempt {n}: its agent did not dial in)"),
+            };
+            self.update_op(op_id, |op| op.progress = Some(progress.clone()))
+                .map_err(internal)?;
+            if let Some(conn) = self
+                .boot(handle, op_id, &rec, &template.rootfs, attempt)
+                .await?
+            {
+                break conn;
+            }
+            if attempt == CREATE_ATTEMPTS {
                 return Err(ApiError::new(
                     ErrorCode::AgentTimeout,
                     format!(
-                        "the sandbox's agent did not connect within {}s",
+                        "the sandbox's agent did not connect within {}s, in each of {CREATE_ATTEMPTS} boots",
                         AGENT_CONNECT_TIMEOUT.as_secs()
                     ),
                 ));
             }
+            tracing::warn!(sandbox = %id, attempt, "the created sandbox's agent never dialled in; destroying it and booting it again");
+            handle.stop_listener();
+            self.rt(id)
+                .destroy(id, &self.sandbox_dir(id))
+                .await
+                .map_err(|e| ApiError::new(ErrorCode::RuntimeFailed, error_chain(&e)))?;
+            attempt += 1;
         };
         network::write_hosts(&conn, &rec.sandbox.network).await?;
         let ready = |rec: &mut SandboxRecord| -> Result<(), ApiError> {
@@ -704,6 +672,86 @@ impl Service {
         }
         tracing::info!(sandbox = %id, operation = %op_id, "sandbox running");
         Ok(())
+    }
+
+    /// Boots a sandbox being created (attempt `attempt`) and waits for its agent: its
+    /// connection, or `None` when it did not dial in within [`AGENT_CONNECT_TIMEOUT`].
+    async fn boot(
+        &self,
+        handle: &Arc<SandboxHandle>,
+        op_id: &str,
+        rec: &SandboxRecord,
+        rootfs: &std::path::Path,
+        attempt: u32,
+    ) -> Result<Option<AgentConn>, ApiError> {
+        let id = &handle.id;
+        let dir = self.sandbox_dir(id);
+        let run_dir = dir.join("run");
+        std::fs::create_dir_all(&run_dir).map_err(|e| {
+            ApiError::new(
+                ErrorCode::Internal,
+                format!("creating {}: {e}", run_dir.display()),
+            )
+        })?;
+        write_secret(&run_dir.join("token"), &rec.agent_token).map_err(|e| {
+            ApiError::new(ErrorCode::Internal, format!("writing the agent token: {e}"))
+        })?;
+        self.start_listener(handle, rec).map_err(|e| {
+            ApiError::new(ErrorCode::Internal, format!("listening for the agent: {e}"))
+        })?;
+        let spec = SandboxSpec {
+            id: id.clone(),
+            rootfs: rootfs.to_path_buf(),
+            state_dir: dir.clone(),
+            run_dir,
+            agent_dir: self.0.cfg.agent_dir.clone(),
+            agent_env: vec![
+                ("SPACE_SANDBOX_ID".into(), id.clone()),
+                ("SPACE_AGENT_SOCKET".into(), "/.space/run/agent.sock".into()),
+                ("SPACE_AGENT_TOKEN_FILE".into(), "/.space/run/token".into()),
+                ("PATH".into(), "/usr/sbin:/usr/bin:/sbin:/bin".into()),
+                (
+                    "SPACE_PIDS_LIMIT".into(),
+                    rec.sandbox.resources.pids.unwrap_or(0).to_string(),
+                ),
+            ]
+            .into_iter()
+            .chain(
+                if attempt == 1 && failpoint_active("create:first_agent_silent") {
+                    Some(("SPACE_FAILPOINT".to_string(), "agent:silent".to_string()))
+                } else {
+                    agent_failpoint()
+                },
+            )
+            .collect(),
+            vcpus: rec.sandbox.resources.vcpus.unwrap_or(0),
+            memory_mib: rec.sandbox.resources.memory_mib.unwrap_or(0),
+            pids: rec.sandbox.resources.pids.unwrap_or(0),
+            disk_mib: rec.sandbox.resources.disk_mib.unwrap_or(0),
+            hostname: id.replace('_', "-"),
+            network: network::egress_config(&rec.sandbox.network),
+        };
+        self.0
+            .runtimes
+            .get(&rec.sandbox.runtime)
+            .map_err(|why| ApiError::new(ErrorCode::RuntimeUnavailable, why))?
+            .create(&spec)
+            .await
+            .map_err(|e| ApiError::new(ErrorCode::RuntimeFailed, error_chain(&e)))?;
+        failpoint("create:after_boot");
+        self.update_op(op_id, |op| {
+            op.progress = Some("waiting for the agent".into())
+        })
+        .map_err(internal)?;
+        let mut rx = handle.agent.subscribe();
+        match agent::wait_connected(&mut rx, AGENT_CONNECT_TIMEOUT).await {
+            Ok(conn) => Ok(Some(conn)),
+            Err(_) => {
+                self.log_silent_agent(id, "a created sandbox's agent never dialled in")
+                    .await;
+                Ok(None)
+            }
+        }
     }
 
     fn start_listener(

@@ -602,6 +602,51 @@ async fn a_restore_whose_agent_never_dials_in_is_restored_again() {
     s.assert_nothing_left(&sb);
 }
 
+/// A created sandbox whose agent connects and then never says hello (seen rarely under
+/// load with TCG microVMs: the guest went silent after opening its link) is destroyed and
+/// booted once more, on either runtime: the create succeeds, the sandbox works, and
+/// nothing of the first boot is left.
+#[tokio::test]
+async fn a_create_whose_agent_never_dials_in_boots_again() {
+    let mut s = TestServer::start().await;
+    s.kill9();
+    s.env = vec![("SPACE_FAILPOINT".into(), "create:first_agent_silent".into())];
+    s.restart();
+    let mut runtimes = vec![];
+    for rt in ["gvisor", "microvm"] {
+        if s.runtime_available(rt).await {
+            runtimes.push(rt);
+        }
+    }
+    let sandboxes = futures::future::join_all(
+        runtimes
+            .iter()
+            .map(|rt| s.create_with(json!({"template": "busybox", "runtime": rt}))),
+    )
+    .await;
+    let log = s.log();
+    // Each first boot's agent did connect (silent, not absent), and its console was logged.
+    assert_eq!(
+        log.matches("failpoint agent:silent: connected").count(),
+        runtimes.len(),
+        "{log}"
+    );
+    for (rt, sb) in runtimes.iter().zip(&sandboxes) {
+        let again = log
+            .lines()
+            .any(|l| l.contains(sb.as_str()) && l.contains("destroying it and booting it again"));
+        assert!(again, "{rt}: the second boot did not happen\n{log}");
+        let out = s.sh(sb, "echo booted-again").await;
+        assert_eq!(out["stdout"], "booted-again\n", "{rt}: {out}");
+        let (_, op) = s.get(&format!("/v1/sandboxes/{sb}")).await;
+        assert_eq!(op["state"], "running", "{rt}: {op}");
+    }
+    for sb in &sandboxes {
+        s.destroy(sb).await;
+        s.assert_nothing_left(sb);
+    }
+}
+
 /// Milliseconds since the epoch of an RFC 3339 UTC time as the API writes it
 /// (`2026-12-02T08:26:54.575Z`).
 fn epoch_ms(t: &str) -> i64 {
