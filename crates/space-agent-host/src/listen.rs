@@ -4,8 +4,9 @@
 //! the server hold is bounded: one agent connection at a time (an authenticated newcomer,
 //! which only the agent can be, since the token lives in its memory alone, replaces the
 //! old one: a reconnecting agent always gets in), and at most [`MAX_HANDSHAKES`]
-//! connections that have not said hello yet, each closed after [`HANDSHAKE_TIMEOUT`] or
-//! when a newer one needs its place.
+//! connections that have not said hello yet, each closed after its hello timeout
+//! ([`HANDSHAKE_TIMEOUT`] unless the runtime says otherwise) or when a newer one needs its
+//! place.
 
 use std::collections::VecDeque;
 use std::path::Path;
@@ -22,7 +23,9 @@ use tokio_stream::StreamExt;
 use crate::conn::AgentConn;
 use crate::error::AgentError;
 
-/// How long a freshly accepted connection may take to say hello.
+/// How long a freshly accepted connection may take to say hello, where anything in the
+/// sandbox can connect (gVisor). A runtime whose socket only its hypervisor dials gives
+/// its own ([`listen`]'s `hello_timeout`).
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 /// Connections of one sandbox in their handshake at once. The agent needs one; more only
 /// come from something else in the sandbox. The oldest makes room for a new one: the agent
@@ -94,11 +97,6 @@ where
     }
 }
 
-/// Accepts the agent's connections on `socket` for as long as the returned task runs,
-/// publishing the current connection on `conn`. Handshakes in progress end with the
-/// task; an established connection outlives it (a listener is replaced while the agent
-/// stays connected). The `token` file beside the socket is deleted once an agent's hello
-/// is accepted.
 /// Agent connections accepted by every listener of this process, and those of them
 /// that replaced an earlier connection of the same sandbox (see [`connection_counts`]).
 static CONNECTIONS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
@@ -112,11 +110,17 @@ pub fn connection_counts() -> (u64, u64) {
     )
 }
 
+/// Accepts the agent's connections on `socket` for as long as the returned task runs,
+/// publishing the current connection on `conn`. Handshakes in progress end with the
+/// task; an established connection outlives it (a listener is replaced while the agent
+/// stays connected). The `token` file beside the socket is deleted once an agent's hello
+/// is accepted. A connection that has not said hello within `hello_timeout` is closed.
 pub fn listen(
     sandbox_id: String,
     token: String,
     socket: &Path,
     conn: watch::Sender<Option<AgentConn>>,
+    hello_timeout: Duration,
 ) -> std::io::Result<tokio::task::JoinHandle<()>> {
     // Bind beside it and rename over it: the path never stops existing, because an
     // agent that saw it missing would be told so by gVisor's cache from then on.
@@ -189,7 +193,7 @@ pub fn listen(
                     handshakes.push(Abortable::new(
                         async move {
                             let outcome =
-                                tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake(&mut stream, &id, &token))
+                                tokio::time::timeout(hello_timeout, handshake(&mut stream, &id, &token))
                                     .await
                                     .unwrap_or(Err(HandshakeError::Timeout))
                                     .map(|hello| (stream, hello));

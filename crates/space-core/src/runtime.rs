@@ -252,6 +252,13 @@ pub trait Runtime: Send + Sync + 'static {
     fn console_tail(&self, _state_dir: &std::path::Path) -> Option<String> {
         None
     }
+    /// How long a connection to the sandbox's agent socket may take to say hello; `None`:
+    /// the listener's own bound, short because anything in the sandbox can connect
+    /// (gVisor). A runtime whose socket only its hypervisor dials can afford to wait for a
+    /// guest slowed by load.
+    fn agent_hello_timeout(&self) -> Option<std::time::Duration> {
+        None
+    }
     /// Why a sandbox that stopped by itself stopped, when the runtime can tell
     /// (asked before its remains are cleaned up).
     fn stop_reason(&self, _id: &str) -> Option<String> {

@@ -94,6 +94,11 @@ const AGENT_PORT_ID: &str = "agentport";
 /// over 120 s once, with four microVMs of the hostile suite booting beside the conformance
 /// suite's on 2 CPUs. A guest that never starts its agent still fails, only later.
 const AGENT_OPEN_TIMEOUT: Duration = Duration::from_secs(300);
+/// How long the guest's agent may take to say hello once QEMU connected its port to the
+/// host's socket. Only QEMU dials that socket, one connection at a time, so there is nothing
+/// to bound. gVisor's 5 s dropped a silent TCG guest's connection every 5 s in the CI runs
+/// that failed, and each drop is a hangup and a new connection that a slow guest must handle.
+pub(crate) const HELLO_TIMEOUT: Duration = Duration::from_secs(60);
 /// How long a restored guest may take to notice that the host went away.
 const AGENT_HANGUP_TIMEOUT: Duration = Duration::from_secs(10);
 /// Where a VM's agent port points until the guest is ready for the host (nobody listens).
@@ -955,6 +960,10 @@ impl Runtime for MicrovmRuntime {
 
     fn console_tail(&self, state_dir: &Path) -> Option<String> {
         Some(process::console_tail(state_dir, 2000))
+    }
+
+    fn agent_hello_timeout(&self) -> Option<Duration> {
+        Some(HELLO_TIMEOUT)
     }
 
     fn resident_bytes(&self, _id: &str, state_dir: &Path) -> Option<u64> {

@@ -785,6 +785,9 @@ impl Service {
             rec.agent_token.clone(),
             &socket,
             handle.agent.clone(),
+            self.rt(&handle.id)
+                .agent_hello_timeout()
+                .unwrap_or(agent::HANDSHAKE_TIMEOUT),
         )?;
         if let Some((old, _)) = lock(&handle.listener).replace((task, socket)) {
             old.abort();

@@ -91,6 +91,7 @@ impl MicrovmRuntime {
             token,
             &vm.run_dir().join(super::AGENT_SOCKET),
             tx,
+            super::HELLO_TIMEOUT,
         )
         .map_err(|e| RuntimeError::io("listening for the build VM's agent", e))?;
         let _listener = AbortOnDrop(listener);
