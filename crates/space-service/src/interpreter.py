@@ -34,6 +34,12 @@ import time
 # Where the service listens (interpreter.rs's SOCKET): a directory only its user enters.
 SOCKET_DIR = "/tmp/.space-interpreter"
 SOCKET = SOCKET_DIR + "/sock"
+# An execution that is interrupted (past its timeout, or its client gone) is interrupted
+# again every INTERRUPT_EVERY seconds until it ends: an interrupt that lands before the
+# code started is spent on the kernel's own handler (bash's trap, an idle ipykernel), and
+# the code would then run on. Past INTERRUPT_GRACE the context is restarted, its state lost.
+INTERRUPT_EVERY = 1.0
+INTERRUPT_GRACE = 30.0
 
 
 # ---- the service ----
@@ -143,6 +149,7 @@ class PythonContext:
         msg_id = self.kc.execute(code, allow_stdin=False)
         deadline = time.monotonic() + timeout
         timed_out = False
+        next_interrupt = None
         count = None
         while True:
             left = deadline - time.monotonic()
@@ -151,8 +158,12 @@ class PythonContext:
             if left <= 0 and not timed_out:
                 timed_out = True
                 await self.km.interrupt_kernel()
-                deadline = time.monotonic() + 30
+                next_interrupt = time.monotonic() + INTERRUPT_EVERY
+                deadline = time.monotonic() + INTERRUPT_GRACE
                 continue
+            if timed_out and left > 0 and time.monotonic() >= next_interrupt:
+                await self.km.interrupt_kernel()
+                next_interrupt = time.monotonic() + INTERRUPT_EVERY
             if left <= 0:
                 # An interrupt that did not take: the kernel is restarted, its state lost.
                 await self.km.restart_kernel(now=True)
@@ -162,7 +173,7 @@ class PythonContext:
                 await self.kc.wait_for_ready(timeout=60)
                 break
             try:
-                msg = await self.kc.get_iopub_msg(timeout=min(left, 1.0))
+                msg = await self.kc.get_iopub_msg(timeout=min(left, INTERRUPT_EVERY))
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -301,13 +312,17 @@ class BashContext:
             pending = {t for t in tasks if not t.done()}
         gone.cancel()
         if pending:
-            # Interrupt what runs; if bash itself does not come back, start a new one.
-            try:
-                os.killpg(self.proc.pid, 2)
-            except OSError:
-                pass
-            done, _ = await asyncio.wait(tasks, timeout=5)
-            if len(done) < 2:
+            # Interrupt what runs, again and again (INTERRUPT_EVERY); if bash itself does
+            # not come back, start a new one.
+            grace = time.monotonic() + INTERRUPT_GRACE
+            while pending and time.monotonic() < grace:
+                try:
+                    os.killpg(self.proc.pid, 2)
+                except OSError:
+                    break
+                await asyncio.wait(pending, timeout=INTERRUPT_EVERY)
+                pending = {t for t in tasks if not t.done()}
+            if pending:
                 for t in tasks:
                     t.cancel()
                 await self.stop()

@@ -370,6 +370,51 @@ async fn a_context_survives_suspend_and_resume() {
     s.destroy(&sb).await;
 }
 
+/// An interrupt can land where it stops nothing: before the code started (bash's own
+/// trap, an idle kernel), or in code that catches it. The execution is interrupted again
+/// until it ends, so an abandoned execution still frees its context with its state kept,
+/// rather than running on until the context is restarted and its variables lost.
+#[tokio::test]
+async fn an_interrupt_that_does_not_stop_the_code_is_sent_again() {
+    let s = TestServer::start().await;
+    let sb = s.create("code-interpreter").await;
+
+    let py = new_context(&s, &sb, json!({})).await;
+    run(&s, &sb, &py, "kept = 5").await;
+    let ev = abandon_then_run(
+        &s,
+        &sb,
+        &py,
+        "import time\ntry:\n    time.sleep(60)\nexcept KeyboardInterrupt:\n    pass\ntime.sleep(3600)",
+        "kept",
+    )
+    .await;
+    assert_eq!(of_type(&ev, "result")[0]["text"], "5", "{ev:?}");
+
+    // bash: the first interrupt ends a `wait` (the trap runs, bash goes on), and the
+    // program started after it needs another.
+    let sh = new_context(&s, &sb, json!({"language": "bash"})).await;
+    run(&s, &sb, &sh, "N=7").await;
+    let ev = abandon_then_run(
+        &s,
+        &sb,
+        &sh,
+        "sleep 60 & p=$!; wait $p; kill $p; sleep 3600",
+        "echo $N",
+    )
+    .await;
+    assert_eq!(stdout(&ev), "7\n", "{ev:?}");
+    let ev = run(
+        &s,
+        &sb,
+        &sh,
+        "for c in /proc/[0-9]*/comm; do [ \"$(cat $c 2>/dev/null)\" = sleep ] && echo $c; done; echo end",
+    )
+    .await;
+    assert_eq!(stdout(&ev), "end\n", "a sleep is left: {ev:?}");
+    s.destroy(&sb).await;
+}
+
 #[tokio::test]
 async fn a_sandbox_without_the_interpreter_or_jupyter_says_so() {
     let s = TestServer::start().await;
