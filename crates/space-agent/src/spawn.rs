@@ -277,10 +277,14 @@ pub fn start(reaper: &Reaper, cmd: &Arc<Cmd>, req: &SpawnRequest) -> Outcome {
             // Before the user change: dropping needs CAP_SETPCAP, which it takes away.
             drop_capabilities()?;
             if change_ident {
+                // The system calls themselves, not libc's wrappers: those change every
+                // thread of the process, which libc knows from the agent's memory (the
+                // agent's threads, not this child's), signalling each of them in turn.
+                // This child is one thread; the calls change it alone.
                 let groups = [gid];
-                if libc::setgroups(1, groups.as_ptr()) != 0
-                    || libc::setgid(gid) != 0
-                    || libc::setuid(uid) != 0
+                if libc::syscall(libc::SYS_setgroups, 1, groups.as_ptr()) != 0
+                    || libc::syscall(libc::SYS_setgid, gid) != 0
+                    || libc::syscall(libc::SYS_setuid, uid) != 0
                 {
                     return Err(io::Error::last_os_error());
                 }

@@ -5,14 +5,19 @@
 //! which gVisor does under one lock: concurrent commands then start one after another.
 //!
 //! The child only makes syscalls (no allocation, no lock), with every signal blocked
-//! until it has put every handler back to the default, so nothing of the agent's runs in
-//! it. A failure before or at `execve` is handed back through shared memory (the
-//! errno), the child exits, and the caller reaps it.
+//! until it has put every handler the agent changed back to the default, so nothing of
+//! the agent's runs in it. A failure before or at `execve` is handed back through shared
+//! memory (the errno), the child exits, and the caller reaps it.
+//!
+//! Every system call costs a gVisor sandbox a trap into its kernel, and the child's are
+//! on every command's path: it resets only the signals the agent changed
+//! ([`changed_signals`]), not all 64.
 
 use std::ffi::{c_int, c_void, CStr, CString};
 use std::io;
 use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::OnceLock;
 
 /// The child's stack. Set-up code only: syscalls and small frames.
 const STACK: usize = 256 << 10;
@@ -30,8 +35,55 @@ struct Child<'a> {
     /// The child-side set-up (session, terminal, limits, identity, directory); only
     /// syscalls.
     setup: &'a (dyn Fn() -> io::Result<()> + Sync),
+    /// The signals to put back to the default ([`changed_signals`]), a bit each.
+    reset: u64,
     /// The errno of a failure in the child; 0 when it reached the new program.
     error: AtomicI32,
+}
+
+/// The signals whose disposition the agent changed (bit `sig - 1` for each): a
+/// handler (which must not run in a child that shares the agent's memory) or "ignore"
+/// (which `execve` would pass on: a command must get `SIGPIPE` as usual). Read once, at
+/// the first spawn: the agent sets its dispositions at start (Rust's runtime ignores
+/// `SIGPIPE` and handles `SIGSEGV` and `SIGBUS`, `main` asks tokio for `SIGCHLD` and
+/// `SIGUSR1`) and changes none later. Should one be added later anyway, all it could do
+/// is run in a child between the unblocking and the `execve`: tokio's handler only
+/// records the signal and wakes the agent, which then finds nothing to do.
+fn changed_signals() -> u64 {
+    static CHANGED: OnceLock<u64> = OnceLock::new();
+    *CHANGED.get_or_init(|| {
+        let mut mask = 0u64;
+        for sig in 1..=64 {
+            let mut old = KernelSigaction::default();
+            // SAFETY: reads the disposition only (no new action) into `old`.
+            let read = unsafe { rt_sigaction(sig, std::ptr::null(), &mut old) };
+            if read == 0 && old.handler != libc::SIG_DFL {
+                mask |= 1 << (sig - 1);
+            }
+        }
+        mask
+    })
+}
+
+/// The kernel's `struct sigaction` (x86-64), for `rt_sigaction` itself: libc's
+/// `sigaction` refuses the two signals it keeps for its threads (32 and 33), which a
+/// parent may still have set to "ignore" for the agent to inherit.
+#[repr(C)]
+#[derive(Default)]
+struct KernelSigaction {
+    handler: libc::sighandler_t,
+    flags: libc::c_ulong,
+    restorer: usize,
+    mask: u64,
+}
+
+/// `rt_sigaction(sig, new, old)`, the system call: 0 or -1 (errno set).
+///
+/// # Safety
+/// `new` and `old` are null or valid.
+unsafe fn rt_sigaction(sig: c_int, new: *const KernelSigaction, old: *mut KernelSigaction) -> i64 {
+    // SAFETY: the caller's pointers; the size is the kernel's signal set's.
+    unsafe { libc::syscall(libc::SYS_rt_sigaction, sig, new, old, 8usize) }
 }
 
 /// Starts `program` with `argv` and `envp` (each `NULL`-terminated arrays of C
@@ -61,6 +113,7 @@ pub unsafe fn spawn(
         envp: envp.as_ptr(),
         stdio,
         setup,
+        reset: changed_signals(),
         error: AtomicI32::new(0),
     };
     let mut stack = vec![0u8; STACK];
@@ -116,9 +169,10 @@ extern "C" fn run_child(arg: *mut c_void) -> c_int {
     unsafe {
         // Handlers back to the default while everything is still blocked; the set-up
         // unblocks (its handlers were copied, not shared: no CLONE_SIGHAND).
+        let default = KernelSigaction::default();
         for sig in 1..=64 {
-            if sig != libc::SIGKILL && sig != libc::SIGSTOP {
-                libc::signal(sig, libc::SIG_DFL);
+            if child.reset & (1 << (sig - 1)) != 0 {
+                rt_sigaction(sig, &default, std::ptr::null_mut());
             }
         }
         for (target, &fd) in child.stdio.iter().enumerate() {

@@ -680,6 +680,35 @@ async fn environment_user_and_directory() {
 }
 
 #[tokio::test]
+async fn commands_start_with_every_signal_at_its_default() {
+    let host = Host::start();
+    let conn = host.accept().await;
+    // The agent ignores SIGPIPE and handles SIGCHLD, SIGUSR1, SIGSEGV and SIGBUS; none of
+    // that reaches a command, nor the mask it spawns with. `cat` itself changes nothing.
+    for id in ["sig1", "sig2"] {
+        conn.spawn(json!({"id": id, "argv": ["cat", "/proc/self/status"], "env": []}))
+            .await;
+        let out = conn.attach(id, 0, 0).await.collect(true).await;
+        let status = String::from_utf8_lossy(&out.stdout);
+        for field in ["SigBlk", "SigIgn", "SigCgt"] {
+            let line = status
+                .lines()
+                .find(|l| l.starts_with(&format!("{field}:")))
+                .unwrap_or_else(|| panic!("no {field} in {status}"));
+            assert_eq!(
+                line.split_whitespace().nth(1),
+                Some("0000000000000000"),
+                "{line}"
+            );
+        }
+    }
+    // A pipe whose reader has gone ends its writer by SIGPIPE (128 + 13), as in any
+    // shell; an ignored SIGPIPE would pass on to `yes`, which would fail its write (1).
+    let out = run(&conn, "pipe", "{ yes; echo $? >&2; } | head -c1 >/dev/null").await;
+    assert_eq!(String::from_utf8_lossy(&out.stderr).trim(), "141");
+}
+
+#[tokio::test]
 async fn secrets_over_env_and_no_way_into_the_agent() {
     let host = Host::start();
     let conn = host.accept().await;

@@ -68,7 +68,7 @@ async fn exit_codes_signals_and_env() {
         .post(
             &format!("/v1/sandboxes/{sb}/commands"),
             json!({
-                "shell": "echo out; echo err >&2; echo $SB_VAR $CMD_VAR; pwd; id -u",
+                "shell": "echo out; echo err >&2; echo $SB_VAR $CMD_VAR; pwd; id -u; id -G",
                 "env": {"CMD_VAR": "from-command"},
                 "cwd": "/tmp",
                 "user": "user",
@@ -79,9 +79,20 @@ async fn exit_codes_signals_and_env() {
     assert_eq!(st, 201, "{cmd}");
     assert_eq!(
         cmd["stdout"],
-        "out\nfrom-sandbox from-command\n/tmp\n1000\n"
+        "out\nfrom-sandbox from-command\n/tmp\n1000\n1000\n"
     );
     assert_eq!(cmd["stderr"], "err\n");
+
+    // Commands get the signals the agent changed back at their defaults: a writer whose
+    // reader has gone ends by SIGPIPE (128 + 13), as in any shell (an ignored SIGPIPE
+    // would reach `yes`, whose write would fail: 1).
+    let cmd = s
+        .run(
+            &sb,
+            &["sh", "-c", "{ yes; echo $? >&2; } | head -c1 >/dev/null"],
+        )
+        .await;
+    assert_eq!(cmd["stderr"], "141\n", "{cmd}");
 
     // A program that does not exist: exit 127 and a message, like a shell.
     let cmd = s.run(&sb, &["/no/such/program"]).await;
@@ -100,7 +111,7 @@ async fn exit_codes_signals_and_env() {
     assert_eq!(cmd["result"]["timed_out"], true);
 
     let (_, list) = s.get(&format!("/v1/sandboxes/{sb}/commands")).await;
-    assert_eq!(list["commands"].as_array().unwrap().len(), 6);
+    assert_eq!(list["commands"].as_array().unwrap().len(), 7);
     s.destroy(&sb).await;
 }
 
