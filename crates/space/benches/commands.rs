@@ -194,6 +194,10 @@ fn main() {
         rt.block_on(timed_true(&warm, &ours));
         raw.exec(&rid, &["/bin/true"]);
     }
+    // Each side's CPU quota (the same bundle's): with the CPU a call costs, the most calls
+    // per second either side could make.
+    let ours_quota = rawsc::cgroup_cpu_quota("space", &ours);
+    let raw_quota = rawsc::cgroup_cpu_quota(rawsc::RAW_CGROUP_PARENT, &rid);
     let mut levels = Vec::new();
     for &clients in levels_wanted {
         let calls = CALLS.div_ceil(clients);
@@ -372,6 +376,15 @@ fn main() {
                 ms(r) / n,
                 "ms",
             );
+            if let (Some(oq), Some(rq)) = (ours_quota, raw_quota) {
+                row(
+                    &format!("  calls/s its vCPU quota allows, {clients} (extra)"),
+                    "",
+                    oq * 1000.0 / (ms(o) / n),
+                    rq * 1000.0 / (ms(r) / n),
+                    "/s",
+                );
+            }
         }
         if let Some((lat, wall, cpu)) = &l.raw_pinned {
             row(
@@ -420,7 +433,7 @@ fn main() {
          in the agent = result.duration_ms, from the agent taking the spawn request to reaping \
          `true`; sandbox CPU per call = the CPU charged to each side's sandbox cgroup over \
          the level (Sentry, agent and `true` together), divided by the calls: with the \
-         sandbox's vCPU quota it bounds the calls per second either side can reach. \
+         sandbox's vCPU quota it bounds the calls per second either side can reach: calls/s its vCPU quota allows = the quota's CPUs (cpu.cfs_quota_us / cpu.cfs_period_us) x 1000 / that CPU per call in ms. \
          raw pinned = the raw container again, its cgroup's cpuset.cpus set to our sandbox's \
          (as our server places sandboxes; raw runsc does not), then set back; a shell's \
          fork+exec of `true` = the sandbox CPU charged while `sh -c` in the sandbox runs \
