@@ -685,6 +685,7 @@ async fn commands_start_with_every_signal_at_its_default() {
     let conn = host.accept().await;
     // The agent ignores SIGPIPE and handles SIGCHLD, SIGUSR1, SIGSEGV and SIGBUS; none of
     // that reaches a command, nor the mask it spawns with. `cat` itself changes nothing.
+    // Twice: the first spawn reads which signals the agent changed, the next reuses that.
     for id in ["sig1", "sig2"] {
         conn.spawn(json!({"id": id, "argv": ["cat", "/proc/self/status"], "env": []}))
             .await;

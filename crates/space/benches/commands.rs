@@ -433,7 +433,9 @@ fn main() {
          in the agent = result.duration_ms, from the agent taking the spawn request to reaping \
          `true`; sandbox CPU per call = the CPU charged to each side's sandbox cgroup over \
          the level (Sentry, agent and `true` together), divided by the calls: with the \
-         sandbox's vCPU quota it bounds the calls per second either side can reach: calls/s its vCPU quota allows = the quota's CPUs (cpu.cfs_quota_us / cpu.cfs_period_us) x 1000 / that CPU per call in ms. \
+         sandbox's vCPU quota it bounds the calls per second either side can reach: calls/s \
+         its vCPU quota allows = the quota's CPUs (cpu.cfs_quota_us / cpu.cfs_period_us) x \
+         1000 / that CPU per call in ms. \
          raw pinned = the raw container again, its cgroup's cpuset.cpus set to our sandbox's \
          (as our server places sandboxes; raw runsc does not), then set back; a shell's \
          fork+exec of `true` = the sandbox CPU charged while `sh -c` in the sandbox runs \
