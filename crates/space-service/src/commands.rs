@@ -30,6 +30,9 @@ const SPAWN_CONNECT_TIMEOUT: Duration = Duration::from_secs(20);
 const INLINE_OUTPUT_MAX: usize = 1 << 20;
 /// Data per NDJSON line.
 const STREAM_PIECE_MAX: usize = 64 * 1024;
+/// Most bytes a reader of stored output reads at once (then sent in pieces of
+/// [`STREAM_PIECE_MAX`]): a follower that fell behind catches up in few reads.
+const READ_AHEAD_MAX: usize = 1 << 20;
 /// Upper bound on `timeout_seconds`.
 const MAX_TIMEOUT_SECONDS: u64 = 7 * 24 * 3600;
 
@@ -610,6 +613,8 @@ impl Service {
             let _hold = hold;
             let mut progress_rx = live.as_ref().map(|ch| ch.progress.subscribe());
             let mut offset = q.offset;
+            // Its files stay open between reads (`None` while a read has it).
+            let mut reader = Some(output::OutputReader::new(&dir));
             loop {
                 // Read the progress *before* the data so that `done` means "all of it".
                 let progress = match &mut progress_rx {
@@ -634,14 +639,17 @@ impl Service {
                     View::Combined => progress.combined(),
                 };
                 while offset < upto {
-                    let pieces = {
-                        let dir = dir.clone();
-                        let (view, off) = (q.view, offset);
-                        tokio::task::spawn_blocking(move || {
-                            output::read_pieces(&dir, view, off, upto, 4 * STREAM_PIECE_MAX)
-                        })
-                        .await
-                    };
+                    let Some(mut r) = reader.take() else { return };
+                    let (view, off) = (q.view, offset);
+                    let pieces = tokio::task::spawn_blocking(move || {
+                        let pieces = r.read(view, off, upto, READ_AHEAD_MAX);
+                        (r, pieces)
+                    })
+                    .await
+                    .map(|(r, pieces)| {
+                        reader = Some(r);
+                        pieces
+                    });
                     let pieces = match pieces {
                         Ok(Ok(p)) if !p.is_empty() => p,
                         // Everything left below `upto` was dropped by the output cap.
@@ -652,19 +660,24 @@ impl Service {
                         _ => return,
                     };
                     for piece in pieces {
-                        for (i, part) in piece.data.chunks(STREAM_PIECE_MAX).enumerate() {
+                        let next = piece.offset + piece.data.len() as u64;
+                        let data = Bytes::from(piece.data);
+                        for start in (0..data.len()).step_by(STREAM_PIECE_MAX) {
+                            let part =
+                                data.slice(start..(start + STREAM_PIECE_MAX).min(data.len()));
+                            let len = part.len();
                             let chunk = OutputEvent::Chunk {
                                 stream: piece.stream,
-                                offset: piece.offset + (i * STREAM_PIECE_MAX) as u64,
-                                data: Bytes::copy_from_slice(part),
+                                offset: piece.offset + start as u64,
+                                data: part,
                             };
                             if tx.send(chunk).await.is_err() {
                                 return;
                             }
                             // Counted here, so every front door's output streams are.
-                            svc.observe_streamed(false, part.len());
+                            svc.observe_streamed(false, len);
                         }
-                        offset = piece.offset + piece.data.len() as u64;
+                        offset = next;
                     }
                 }
                 if progress.done {
