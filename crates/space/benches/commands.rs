@@ -53,6 +53,8 @@ const FLOOR_PROCS: u32 = 100;
 const EXEC_WARMUPS: usize = 5;
 /// Longest one stream may take before the bench gives up.
 const STREAM_LIMIT: Duration = Duration::from_secs(300);
+/// The file the fast-writer stream `cat`s, in each side's sandbox.
+const CAT_FILE: &str = "/tmp/space-bench-cat";
 
 fn main() {
     let (rt, facts) = bench_start();
@@ -173,6 +175,29 @@ fn main() {
         o_raw.push(o.raw);
         r_stream.push(r);
     }
+    // 1b. A fast writer: `cat` of a file moves it in large writes (`sendfile`), so the
+    // relay, not the writer, sets the pace. Followed as raw bytes, our fastest view.
+    let make_file = format!("/bin/head -c {STREAM_BYTES} /dev/zero > {CAT_FILE}");
+    let made = rt.block_on(rawsc::sh(&c, &ours, &make_file));
+    assert_eq!(
+        made.result.and_then(|r| r.exit_code),
+        Some(0),
+        "{make_file}"
+    );
+    raw.exec(&rid, &["/bin/sh", "-c", &make_file]);
+    let mut o_cat = Vec::new();
+    let mut r_cat = Vec::new();
+    for i in 0..STREAM_RUNS {
+        o_cat.push(rt.block_on(cat_ours(&c, &ours, STREAM_BYTES)));
+        let (took, count) = raw.exec_count(&rid, &["/bin/cat", CAT_FILE]);
+        assert_eq!(count, STREAM_BYTES, "raw cat of {rid}");
+        r_cat.push(took);
+        eprintln!(
+            "bench: cat {i}: ours {:.0} MiB/s, raw {:.0} MiB/s",
+            mib_per_s(STREAM_BYTES, o_cat[i]),
+            mib_per_s(STREAM_BYTES, took)
+        );
+    }
     let floor_cmd = format!("/bin/head -c {STREAM_BYTES} /dev/zero > /dev/null");
     let (r_floor, _) = raw.exec(&rid, &["/bin/sh", "-c", &floor_cmd]);
     // The same bytes through one pipe between two processes in the sandbox: what any relay
@@ -282,6 +307,24 @@ fn main() {
         "min",
         rate(max(&o_raw)),
         rate(max(&r_stream)),
+        "MiB/s",
+    );
+    let cat_stream = format!(
+        "cat of a {} MiB file, format=raw, MiB/s (n={STREAM_RUNS})",
+        STREAM_BYTES >> 20
+    );
+    row(
+        &cat_stream,
+        "median",
+        rate(median(&o_cat)),
+        rate(median(&r_cat)),
+        "MiB/s",
+    );
+    row(
+        &cat_stream,
+        "min",
+        rate(max(&o_cat)),
+        rate(max(&r_cat)),
         "MiB/s",
     );
     if !o_cpu_mib.is_empty() && o_cpu_mib.len() == r_cpu_mib.len() {
@@ -420,7 +463,10 @@ fn main() {
          GET output?follow=true&stream=stdout&format=raw (bytes alone, each checked to be \
          zero) and then GET of the command for its result; the server keeps all output \
          (--output-cap-mib 0). raw stream = a \
-         whole `runsc exec /bin/head` process, stdout counted through a pipe; re-read = GET \
+         whole `runsc exec /bin/head` process, stdout counted through a pipe; cat of a file = \
+         `/bin/cat` of a file of zeros made first in each sandbox (in large writes, so the \
+         relay sets the pace): ours followed with format=raw as above, raw a whole \
+         `runsc exec /bin/cat`; re-read = GET \
          output?stream=stdout without follow after the end; head to /dev/null = `runsc exec \
          /bin/sh -c 'head ... > /dev/null'`; head | cat = the same through one pipe in the \
          sandbox to `cat > /dev/null`, the toll of any relay by an in-sandbox process; sandbox CPU per MiB \
@@ -519,6 +565,29 @@ async fn stream_ours(c: &Client, sb: &str, bytes: u64) -> OurStream {
     };
     check_stream(&cmd, count, &end, bytes);
     OurStream { follow, plain, raw }
+}
+
+/// `cat` of [`CAT_FILE`] (`bytes` of zeros) through our API, followed as raw bytes,
+/// from the POST to its result.
+async fn cat_ours(c: &Client, sb: &str, bytes: u64) -> Duration {
+    let req = CreateCommandRequest {
+        argv: Some(vec!["/bin/cat".into(), CAT_FILE.into()]),
+        ..Default::default()
+    };
+    let t0 = Instant::now();
+    let cmd = c.create_command(sb, &req).await.expect("POST commands");
+    let count = read_raw(c, &cmd).await;
+    let done = c
+        .command(sb, &cmd.id, None)
+        .await
+        .expect("GET the command after its raw output");
+    let took = t0.elapsed();
+    let end = End {
+        state: done.state,
+        result: done.result,
+    };
+    check_stream(&cmd, count, &end, bytes);
+    took
 }
 
 /// Follows one command's stdout as raw bytes to its end, checking they are zeros.
