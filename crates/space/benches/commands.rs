@@ -549,33 +549,25 @@ async fn stream_ours(c: &Client, sb: &str, bytes: u64) -> OurStream {
     let plain = t0.elapsed();
     check_stream(&cmd, count, &end, bytes);
 
-    // The same again, another command, followed as raw bytes (`format=raw`), then its
-    // result from `GET …/commands/{cid}`.
-    let t0 = Instant::now();
-    let cmd = c.create_command(sb, &req).await.expect("POST commands");
-    let count = read_raw(c, &cmd).await;
-    let done = c
-        .command(sb, &cmd.id, None)
-        .await
-        .expect("GET the command after its raw output");
-    let raw = t0.elapsed();
-    let end = End {
-        state: done.state,
-        result: done.result,
-    };
-    check_stream(&cmd, count, &end, bytes);
+    // The same again, another command, followed as raw bytes (`format=raw`).
+    let raw = raw_ours(c, sb, &req, bytes).await;
     OurStream { follow, plain, raw }
 }
 
-/// `cat` of [`CAT_FILE`] (`bytes` of zeros) through our API, followed as raw bytes,
-/// from the POST to its result.
+/// `cat` of [`CAT_FILE`] (`bytes` of zeros) through our API, followed as raw bytes.
 async fn cat_ours(c: &Client, sb: &str, bytes: u64) -> Duration {
     let req = CreateCommandRequest {
         argv: Some(vec!["/bin/cat".into(), CAT_FILE.into()]),
         ..Default::default()
     };
+    raw_ours(c, sb, &req, bytes).await
+}
+
+/// A command whose stdout is `bytes` of zeros, followed as raw bytes (`format=raw`), then
+/// its result from `GET …/commands/{cid}`: the time from the POST to that result.
+async fn raw_ours(c: &Client, sb: &str, req: &CreateCommandRequest, bytes: u64) -> Duration {
     let t0 = Instant::now();
-    let cmd = c.create_command(sb, &req).await.expect("POST commands");
+    let cmd = c.create_command(sb, req).await.expect("POST commands");
     let count = read_raw(c, &cmd).await;
     let done = c
         .command(sb, &cmd.id, None)
