@@ -633,10 +633,12 @@ impl OutputReader {
                 let Some(f) = self.file(slot)? else {
                     return Ok(Vec::new());
                 };
+                let data = read_at(f, offset, want)?;
+                drop_behind(f, offset, data.len());
                 Ok(vec![Piece {
                     stream,
                     offset,
-                    data: read_at(f, offset, want)?,
+                    data,
                 }])
             }
             View::Combined => self.read_combined(offset, want, bases),
@@ -694,6 +696,7 @@ impl OutputReader {
             };
             let mut data = vec![0u8; take];
             f.read_exact_at(&mut data, r.stream_offset + skip)?;
+            drop_behind(f, r.stream_offset + skip, take);
             pieces.push(Piece {
                 stream: r.stream,
                 offset: r.combined_offset + skip,
@@ -702,6 +705,25 @@ impl OutputReader {
             remaining -= take;
         }
         Ok(pieces)
+    }
+}
+
+/// After a read of `len` bytes at `offset`: drops them from the page cache when they are
+/// [`CACHE_BEHIND`] or more behind the file's end, where the writer already dropped them
+/// (see [`OutputWriter`]): a reader of old output then reuses its own pages, as the writer
+/// does, rather than filling fresh ones. Only advice; errors are ignored.
+fn drop_behind(f: &File, offset: u64, len: usize) {
+    let end = offset + len as u64;
+    if f.metadata().is_ok_and(|m| end + CACHE_BEHIND <= m.len()) {
+        // SAFETY: advice on a descriptor the reader owns; no memory is passed.
+        unsafe {
+            libc::posix_fadvise(
+                f.as_raw_fd(),
+                offset as libc::off_t,
+                len as libc::off_t,
+                libc::POSIX_FADV_DONTNEED,
+            )
+        };
     }
 }
 
@@ -806,6 +828,27 @@ mod tests {
         assert_eq!(w.progress().stdout_base, p.stdout_base);
     }
 
+    /// Pages of the first `len` bytes of `file` in the page cache.
+    fn resident_pages(file: &File, len: usize) -> usize {
+        // SAFETY: a read-only shared map of `len` bytes of a file that long or longer, only
+        // given to mincore and unmapped before returning.
+        unsafe {
+            let map = libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                0,
+            );
+            assert_ne!(map, libc::MAP_FAILED);
+            let mut pages = vec![0u8; len.div_ceil(4096)];
+            assert_eq!(libc::mincore(map, len, pages.as_mut_ptr()), 0);
+            libc::munmap(map, len);
+            pages.iter().filter(|p| *p & 1 == 1).count()
+        }
+    }
+
     #[test]
     fn a_long_stream_leaves_the_page_cache_behind_it_and_its_bytes_intact() {
         let dir = tempfile::tempdir().unwrap();
@@ -831,23 +874,7 @@ mod tests {
         assert_eq!(unsafe { libc::fstatfs(file.as_raw_fd(), &mut fs) }, 0);
         if fs.f_type != libc::TMPFS_MAGIC {
             let head = (total - CACHE_BEHIND - WRITEBACK_STEP) as usize;
-            // SAFETY: a read-only shared map of `head` bytes of a file that long or longer,
-            // only given to mincore and unmapped below.
-            let resident = unsafe {
-                let map = libc::mmap(
-                    std::ptr::null_mut(),
-                    head,
-                    libc::PROT_READ,
-                    libc::MAP_SHARED,
-                    file.as_raw_fd(),
-                    0,
-                );
-                assert_ne!(map, libc::MAP_FAILED);
-                let mut pages = vec![0u8; head.div_ceil(4096)];
-                assert_eq!(libc::mincore(map, head, pages.as_mut_ptr()), 0);
-                libc::munmap(map, head);
-                pages.iter().filter(|p| *p & 1 == 1).count()
-            };
+            let resident = resident_pages(&file, head);
             assert_eq!(resident, 0, "pages of the first {head} bytes still cached");
         }
         // Every byte reads back, in each view, from the disk where it is no longer cached.
@@ -861,6 +888,10 @@ mod tests {
             }
         }
         assert!(got.iter().enumerate().all(|(i, b)| *b == byte_at(i as u64)));
+        // Reading it back did not leave it cached either.
+        if fs.f_type != libc::TMPFS_MAGIC {
+            assert_eq!(resident_pages(&file, (total - CACHE_BEHIND) as usize), 0);
+        }
         let p = w.progress();
         let all = read_pieces(dir.path(), View::Combined, 0, p.combined(), usize::MAX).unwrap();
         assert_eq!(all.len(), 10, "5 runs of stdout, 5 lines of stderr");
