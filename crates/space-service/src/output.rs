@@ -666,6 +666,8 @@ impl OutputReader {
         let mut i = lo.saturating_sub(1).max(first);
         let mut pieces = Vec::new();
         let mut remaining = want;
+        // What was read of each stream's file, given up to `drop_behind` once at the end.
+        let mut spans: [Option<(u64, u64)>; 2] = [None, None];
         while i < count && remaining > 0 {
             let r = record_at(i)?;
             i += 1;
@@ -695,8 +697,12 @@ impl OutputReader {
                 ));
             };
             let mut data = vec![0u8; take];
-            f.read_exact_at(&mut data, r.stream_offset + skip)?;
-            drop_behind(f, r.stream_offset + skip, take);
+            let at = r.stream_offset + skip;
+            f.read_exact_at(&mut data, at)?;
+            let span = &mut spans[slot];
+            *span = Some(span.map_or((at, at + take as u64), |(from, to)| {
+                (from.min(at), to.max(at + take as u64))
+            }));
             pieces.push(Piece {
                 stream: r.stream,
                 offset: r.combined_offset + skip,
@@ -704,23 +710,29 @@ impl OutputReader {
             });
             remaining -= take;
         }
+        for (slot, span) in spans.into_iter().enumerate() {
+            if let (Some((from, to)), Some(f)) = (span, self.files[slot].as_ref()) {
+                drop_behind(f, from, usize::try_from(to - from).unwrap_or(usize::MAX));
+            }
+        }
         Ok(pieces)
     }
 }
 
-/// After a read of `len` bytes at `offset`: drops them from the page cache when they are
-/// [`CACHE_BEHIND`] or more behind the file's end, where the writer already dropped them
-/// (see [`OutputWriter`]): a reader of old output then reuses its own pages, as the writer
-/// does, rather than filling fresh ones. Only advice; errors are ignored.
+/// After a read of `len` bytes at `offset`: drops from the page cache those of them that
+/// are [`CACHE_BEHIND`] or more behind the file's end, where the writer already dropped
+/// them (see [`OutputWriter`]): a reader of old output then reuses its own pages, as the
+/// writer does, rather than filling fresh ones. Only advice; errors are ignored.
 fn drop_behind(f: &File, offset: u64, len: usize) {
-    let end = offset + len as u64;
-    if f.metadata().is_ok_and(|m| end + CACHE_BEHIND <= m.len()) {
+    let Ok(m) = f.metadata() else { return };
+    let to = (offset + len as u64).min(m.len().saturating_sub(CACHE_BEHIND));
+    if to > offset {
         // SAFETY: advice on a descriptor the reader owns; no memory is passed.
         unsafe {
             libc::posix_fadvise(
                 f.as_raw_fd(),
                 offset as libc::off_t,
-                len as libc::off_t,
+                (to - offset) as libc::off_t,
                 libc::POSIX_FADV_DONTNEED,
             )
         };
@@ -893,7 +905,11 @@ mod tests {
             assert_eq!(resident_pages(&file, (total - CACHE_BEHIND) as usize), 0);
         }
         let p = w.progress();
+        // The combined view reads it all from the disk again, and leaves its head uncached too.
         let all = read_pieces(dir.path(), View::Combined, 0, p.combined(), usize::MAX).unwrap();
+        if fs.f_type != libc::TMPFS_MAGIC {
+            assert_eq!(resident_pages(&file, (total - CACHE_BEHIND) as usize), 0);
+        }
         assert_eq!(all.len(), 10, "5 runs of stdout, 5 lines of stderr");
         assert_eq!(all[1].data, b"progress\n");
         // A reopen (after a crash) goes on where the stream ended.
