@@ -35,6 +35,9 @@ const STREAM_PIECE_MAX: usize = 64 * 1024;
 const READ_AHEAD_MAX: usize = 1 << 20;
 /// Upper bound on `timeout_seconds`.
 const MAX_TIMEOUT_SECONDS: u64 = 7 * 24 * 3600;
+/// A live follower that has not moved for this long no longer holds its command back
+/// (see [`Followers`]): a client that stopped reading cannot stall a command for ever.
+const FOLLOWER_STALL: Duration = Duration::from_secs(10);
 
 /// A command whose session is live in this process.
 pub(crate) struct CommandHandle {
@@ -44,6 +47,113 @@ pub(crate) struct CommandHandle {
     pub interactive: bool,
     /// Host frames (stdin, resize) for the current attach stream, while attached.
     pub host_frames: watch::Sender<Option<mpsc::Sender<Bytes>>>,
+    /// Its live followers, which the session waits for before the output cap would
+    /// drop what they have not read yet.
+    pub followers: Followers,
+}
+
+/// The live followers of one command and how far each has read.
+///
+/// The output cap keeps only the tail of a stream, so a follower slower than its writer
+/// would lose what the cap drops before it reads it. Instead, while a follower that is
+/// still moving lags more than half the cap behind, the session withholds its
+/// acknowledgements: the agent then keeps at most [`RETAIN_MAX_BYTES`] per stream
+/// unacknowledged and stops reading the command's pipe, and the command waits on its
+/// writes, as it would writing to a slow pipe. A follower that has not moved for
+/// [`FOLLOWER_STALL`] holds nothing back.
+///
+/// [`RETAIN_MAX_BYTES`]: space_agent::protocol::RETAIN_MAX_BYTES
+#[derive(Default)]
+pub(crate) struct Followers {
+    by_id: Mutex<HashMap<u64, Follower>>,
+    next_id: std::sync::atomic::AtomicU64,
+    moved: tokio::sync::Notify,
+}
+
+struct Follower {
+    view: View,
+    /// Offset in its view of the next byte it will send.
+    offset: u64,
+    moved_at: tokio::time::Instant,
+}
+
+/// A registered follower; it leaves the command when dropped.
+struct FollowerMark {
+    ch: Arc<CommandHandle>,
+    id: u64,
+}
+
+impl FollowerMark {
+    fn join(ch: Arc<CommandHandle>, view: View, offset: u64) -> FollowerMark {
+        let f = &ch.followers;
+        let id = f.next_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let follower = Follower {
+            view,
+            offset,
+            moved_at: tokio::time::Instant::now(),
+        };
+        lock(&f.by_id).insert(id, follower);
+        FollowerMark { ch, id }
+    }
+
+    /// Records that everything before `offset` was sent.
+    fn moved_to(&self, offset: u64) {
+        let f = &self.ch.followers;
+        if let Some(me) = lock(&f.by_id).get_mut(&self.id) {
+            if offset > me.offset {
+                me.offset = offset;
+                me.moved_at = tokio::time::Instant::now();
+            }
+        }
+        f.moved.notify_waiters();
+    }
+}
+
+impl Drop for FollowerMark {
+    fn drop(&mut self) {
+        let f = &self.ch.followers;
+        lock(&f.by_id).remove(&self.id);
+        f.moved.notify_waiters();
+    }
+}
+
+impl Followers {
+    /// When the session may stop waiting for the followers that hold it back now (the
+    /// soonest of their stall deadlines), or `None` when none does: none lags more than
+    /// `most` bytes behind `p` while still moving.
+    fn holding(&self, p: &OutputProgress, most: u64) -> Option<tokio::time::Instant> {
+        let now = tokio::time::Instant::now();
+        lock(&self.by_id)
+            .values()
+            .filter(|f| view_end(p, f.view).saturating_sub(f.offset) > most)
+            .map(|f| f.moved_at + FOLLOWER_STALL)
+            .filter(|deadline| *deadline > now)
+            .min()
+    }
+
+    /// Waits until no follower holds the session back (see [`Followers::holding`]).
+    async fn released(&self, p: OutputProgress, most: u64) {
+        loop {
+            let moved = self.moved.notified();
+            tokio::pin!(moved);
+            moved.as_mut().enable();
+            let Some(deadline) = self.holding(&p, most) else {
+                return;
+            };
+            tokio::select! {
+                _ = moved => {}
+                _ = tokio::time::sleep_until(deadline) => {}
+            }
+        }
+    }
+}
+
+fn view_end(p: &OutputProgress, view: View) -> u64 {
+    match view {
+        View::Stdout => p.stdout,
+        View::Stderr => p.stderr,
+        View::Combined => p.combined(),
+    }
 }
 
 #[derive(Default)]
@@ -353,6 +463,7 @@ impl Service {
             progress: watch::channel(progress).0,
             interactive,
             host_frames: watch::channel(None).0,
+            followers: Followers::default(),
         });
         lock(&self.0.commands.live).insert(id.to_string(), ch.clone());
         ch
@@ -613,6 +724,10 @@ impl Service {
             let _hold = hold;
             let mut progress_rx = live.as_ref().map(|ch| ch.progress.subscribe());
             let mut offset = q.offset;
+            // A live follower holds its command back rather than lose output to the cap.
+            let mark = live
+                .filter(|_| q.follow)
+                .map(|ch| FollowerMark::join(ch, q.view, offset));
             // Its files stay open between reads (`None` while a read has it).
             let mut reader = Some(output::OutputReader::new(&dir));
             loop {
@@ -633,11 +748,7 @@ impl Service {
                         }
                     }
                 };
-                let upto = match q.view {
-                    View::Stdout => progress.stdout,
-                    View::Stderr => progress.stderr,
-                    View::Combined => progress.combined(),
-                };
+                let upto = view_end(&progress, q.view);
                 while offset < upto {
                     let Some(mut r) = reader.take() else { return };
                     let (view, off) = (q.view, offset);
@@ -655,6 +766,9 @@ impl Service {
                         // Everything left below `upto` was dropped by the output cap.
                         Ok(Ok(_)) => {
                             offset = upto;
+                            if let Some(mark) = &mark {
+                                mark.moved_to(offset);
+                            }
                             break;
                         }
                         _ => return,
@@ -676,6 +790,9 @@ impl Service {
                             }
                             // Counted here, so every front door's output streams are.
                             svc.observe_streamed(false, len);
+                            if let Some(mark) = &mark {
+                                mark.moved_to(piece.offset + (start + len) as u64);
+                            }
                         }
                         offset = next;
                     }
@@ -909,11 +1026,21 @@ async fn pump(
     ch: &CommandHandle,
     sb: &SandboxHandle,
 ) -> PumpEnd {
+    // Progress not acknowledged yet because a follower lags (see [`Followers`]).
+    let mut held: Option<OutputProgress> = None;
     loop {
-        // Cancel-safe: a frame half read when the sandbox goes away is not needed.
+        // All cancel-safe: nothing read is lost when another branch wins.
         let first = tokio::select! {
             f = attach.next_frame() => f,
             _ = sb.closed.cancelled() => return PumpEnd::Closed,
+            _ = release(ch, held, writer.keeps()) => {
+                if let Some(p) = held.take() {
+                    if tx.send(ack(&p)).await.is_err() {
+                        return PumpEnd::Disconnected;
+                    }
+                }
+                continue;
+            }
         };
         let mut next = match first {
             Ok(Some(f)) => Some(f),
@@ -963,14 +1090,36 @@ async fn pump(
             let p = writer.progress();
             ch.progress
                 .send_replace(OutputProgress { done: false, ..p });
-            let ack = Frame::Ack {
-                stdout: p.stdout,
-                stderr: p.stderr,
-            };
-            if tx.send(ack.to_bytes()).await.is_err() {
+            // Frames keep being read and stored while the ack is held: the agent sends at
+            // most its retained bytes past the last ack, and an unread HTTP/2 stream would
+            // hold the connection's window, which the sandbox's other streams share.
+            held = None;
+            let keeps = writer.keeps();
+            if keeps > 0 && ch.followers.holding(&p, keeps / 2).is_some() {
+                held = Some(p);
+            } else if tx.send(ack(&p)).await.is_err() {
                 return PumpEnd::Disconnected;
             }
         }
+    }
+}
+
+fn ack(p: &OutputProgress) -> Bytes {
+    Frame::Ack {
+        stdout: p.stdout,
+        stderr: p.stderr,
+    }
+    .to_bytes()
+}
+
+/// Resolves when the acknowledgement of `held` may go to the agent: no follower lags
+/// more than half of what each stream keeps (`keeps`, 0: everything) behind it, or
+/// those that do have stalled. Never resolves when nothing is held.
+async fn release(ch: &CommandHandle, held: Option<OutputProgress>, keeps: u64) {
+    match held {
+        Some(p) if keeps > 0 => ch.followers.released(p, keeps / 2).await,
+        Some(_) => {}
+        None => std::future::pending().await,
     }
 }
 
@@ -1047,4 +1196,77 @@ pub(crate) fn validate_secrets(secrets: &BTreeMap<String, String>) -> Result<(),
         )));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn handle() -> Arc<CommandHandle> {
+        Arc::new(CommandHandle {
+            sandbox_id: "sb".into(),
+            progress: watch::channel(OutputProgress::default()).0,
+            interactive: false,
+            host_frames: watch::channel(None).0,
+            followers: Followers::default(),
+        })
+    }
+
+    fn at(stdout: u64, stderr: u64) -> OutputProgress {
+        OutputProgress {
+            stdout,
+            stderr,
+            ..Default::default()
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_lagging_follower_holds_until_it_catches_up_stalls_or_leaves() {
+        let ch = handle();
+        let p = at(100, 50);
+        // Nobody follows: nothing holds.
+        assert!(ch.followers.holding(&p, 10).is_none());
+        // Each view lags by its own measure: stdout 100 - 95, stderr 50 - 0, combined 150 - 95.
+        let out = FollowerMark::join(ch.clone(), View::Stdout, 95);
+        assert!(ch.followers.holding(&p, 10).is_none());
+        let err = FollowerMark::join(ch.clone(), View::Stderr, 0);
+        assert!(ch.followers.holding(&p, 10).is_some());
+        err.moved_to(45);
+        assert!(ch.followers.holding(&p, 10).is_none());
+        let both = FollowerMark::join(ch.clone(), View::Combined, 95);
+        assert!(ch.followers.holding(&p, 10).is_some());
+        // Moving backwards is not moving.
+        both.moved_to(10);
+        // Released once it catches up...
+        let released = tokio::spawn({
+            let ch = ch.clone();
+            async move { ch.followers.released(p, 10).await }
+        });
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert!(!released.is_finished());
+        both.moved_to(140);
+        released.await.unwrap();
+        drop(both);
+        // ... or when it leaves ...
+        let gone = FollowerMark::join(ch.clone(), View::Combined, 95);
+        assert!(ch.followers.holding(&p, 10).is_some());
+        let released = tokio::spawn({
+            let ch = ch.clone();
+            async move { ch.followers.released(p, 10).await }
+        });
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert!(!released.is_finished());
+        drop(gone);
+        released.await.unwrap();
+        // ... or once it has not moved for FOLLOWER_STALL, until it moves again.
+        let slow = FollowerMark::join(ch.clone(), View::Stdout, 0);
+        let start = tokio::time::Instant::now();
+        ch.followers.released(p, 10).await;
+        assert_eq!(start.elapsed(), FOLLOWER_STALL);
+        assert!(ch.followers.holding(&p, 10).is_none());
+        slow.moved_to(1);
+        assert!(ch.followers.holding(&p, 10).is_some());
+        drop((out, err, slow));
+        assert!(ch.followers.holding(&p, 0).is_none());
+    }
 }

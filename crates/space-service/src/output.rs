@@ -376,6 +376,12 @@ impl OutputWriter {
         }
     }
 
+    /// The bytes each stream keeps now (0: everything): the cap, and the command's share
+    /// of the sandbox's budget.
+    pub fn keeps(&self) -> u64 {
+        self.effective_cap()
+    }
+
     /// The bytes each stream keeps: the cap, and the command's share of the budget.
     fn effective_cap(&self) -> u64 {
         let share = self

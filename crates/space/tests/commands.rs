@@ -344,6 +344,127 @@ async fn an_output_flood_is_capped_keeps_its_tail_and_stalls_nobody() {
 }
 
 /// Reads from an attach socket until the stdout seen so far contains `want`.
+/// What `seq 1 n` prints.
+fn seq_output(n: u64) -> Vec<u8> {
+    (1..=n)
+        .map(|i| format!("{i}\n"))
+        .collect::<String>()
+        .into_bytes()
+}
+
+/// Reads a `format=raw` body more slowly than a sandbox writes: a pause every 128 KiB.
+async fn read_slowly(mut resp: reqwest::Response) -> Vec<u8> {
+    assert_eq!(resp.status(), 200);
+    let (mut body, mut since_pause) = (Vec::new(), 0);
+    while let Some(c) = resp.chunk().await.unwrap() {
+        body.extend_from_slice(&c);
+        since_pause += c.len();
+        if since_pause >= 128 << 10 {
+            since_pause = 0;
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+    body
+}
+
+#[tokio::test]
+async fn slow_followers_lose_nothing_to_the_cap_and_a_stalled_one_holds_nothing_back() {
+    let s = TestServer::start_with(&["--output-cap-mib", "4"]).await;
+    let sb = s.create("busybox").await;
+    let follow = |cid: &str, view: &str| {
+        s.req(
+            reqwest::Method::GET,
+            &format!(
+                "/v1/sandboxes/{sb}/commands/{cid}/output?format=raw&follow=true&stream={view}"
+            ),
+        )
+        .send()
+    };
+    // About 16.6 MB on each stream, four times the cap, written as fast as the sandbox can;
+    // one follower reads stdout and another the combined view, each slower than the writer.
+    let n = 2_500_000;
+    let seq = seq_output(n);
+    let cid = start(
+        &s,
+        &sb,
+        json!({"shell": format!("seq 1 {n}; seq 1 {n} >&2")}),
+    )
+    .await;
+    // The combined view as NDJSON, read as slowly: its offsets show any gap, and arrival
+    // order may interleave the two streams where one command ends and the next begins.
+    let combined = async {
+        let q = OutputQuery {
+            offset: 0,
+            follow: true,
+            view: OutputView::Combined,
+        };
+        let mut items = s.client().command_output(&sb, &cid, &q).await.unwrap();
+        let (mut out, mut err, mut since_pause) = (Vec::new(), Vec::new(), 0);
+        while let Some(item) = items.next().await {
+            match item.unwrap() {
+                space_client::OutputItem::Chunk {
+                    stream,
+                    offset,
+                    data,
+                } => {
+                    assert_eq!(
+                        offset,
+                        (out.len() + err.len()) as u64,
+                        "a gap in the output"
+                    );
+                    since_pause += data.len();
+                    match stream {
+                        StdStream::Stdout => out.extend_from_slice(&data),
+                        StdStream::Stderr => err.extend_from_slice(&data),
+                    }
+                    if since_pause >= 128 << 10 {
+                        since_pause = 0;
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                    }
+                }
+                space_client::OutputItem::End { state, .. } => {
+                    assert_eq!(state, CommandState::Exited);
+                    return (out, err);
+                }
+            }
+        }
+        panic!("the combined output ended without the command's end");
+    };
+    let (stdout, (out, err)) = tokio::join!(
+        async { read_slowly(follow(&cid, "stdout").await.unwrap()).await },
+        combined,
+    );
+    assert_eq!(stdout.len(), seq.len(), "the stdout follower lost bytes");
+    assert!(stdout == seq, "the stdout follower got other bytes");
+    assert!(
+        out == seq,
+        "the combined follower's stdout: {} bytes",
+        out.len()
+    );
+    assert!(
+        err == seq,
+        "the combined follower's stderr: {} bytes",
+        err.len()
+    );
+    // The cap still kept only the tail on the host.
+    let (_, cmd) = s.get(&format!("/v1/sandboxes/{sb}/commands/{cid}")).await;
+    assert_eq!(cmd["state"], "exited", "{cmd}");
+    assert_eq!(cmd["result"]["stdout_bytes"], seq.len() as u64, "{cmd}");
+    assert_eq!(cmd["result"]["output_truncated"], true, "{cmd}");
+
+    // A follower that stops reading holds the command back only for a while: it ends.
+    let cid = start(&s, &sb, json!({"shell": format!("seq 1 {n}")})).await;
+    let stalled = follow(&cid, "stdout").await.unwrap();
+    assert_eq!(stalled.status(), 200);
+    let (_, cmd) = s
+        .get(&format!("/v1/sandboxes/{sb}/commands/{cid}?wait=300s"))
+        .await;
+    assert_eq!(cmd["state"], "exited", "{cmd}");
+    assert_eq!(cmd["result"]["stdout_bytes"], seq.len() as u64, "{cmd}");
+    drop(stalled);
+    s.destroy(&sb).await;
+}
+
 async fn read_until(ws: &mut AttachSocket, seen: &mut String, want: &str) {
     while !seen.contains(want) {
         let msg = tokio::time::timeout(Duration::from_secs(20), ws.next())
