@@ -720,14 +720,16 @@ impl Service {
         let (tx, rx) = mpsc::channel::<OutputEvent>(8);
         let svc = self.clone();
         let (sandbox_id, id) = (sandbox_id.to_string(), id.to_string());
+        let progress_rx = live.as_ref().map(|ch| ch.progress.subscribe());
+        // A live follower holds its command back rather than lose output to the cap, from
+        // before its caller gets the stream.
+        let mark = live
+            .filter(|_| q.follow)
+            .map(|ch| FollowerMark::join(ch, q.view, q.offset));
         tokio::spawn(async move {
             let _hold = hold;
-            let mut progress_rx = live.as_ref().map(|ch| ch.progress.subscribe());
+            let mut progress_rx = progress_rx;
             let mut offset = q.offset;
-            // A live follower holds its command back rather than lose output to the cap.
-            let mark = live
-                .filter(|_| q.follow)
-                .map(|ch| FollowerMark::join(ch, q.view, offset));
             // Its files stay open between reads (`None` while a read has it).
             let mut reader = Some(output::OutputReader::new(&dir));
             loop {

@@ -384,21 +384,25 @@ async fn slow_followers_lose_nothing_to_the_cap_and_a_stalled_one_holds_nothing_
     // one follower reads stdout and another the combined view, each slower than the writer.
     let n = 2_500_000;
     let seq = seq_output(n);
+    // It writes once a line comes on stdin, sent when both followers are answered: a
+    // follower that comes after the cap dropped output cannot get it back.
     let cid = start(
         &s,
         &sb,
-        json!({"shell": format!("seq 1 {n}; seq 1 {n} >&2")}),
+        json!({"shell": format!("head -n 1 >/dev/null; seq 1 {n}; seq 1 {n} >&2"), "stdin": true}),
     )
     .await;
+    let raw_stdout = follow(&cid, "stdout").await.unwrap();
+    let q = OutputQuery {
+        offset: 0,
+        follow: true,
+        view: OutputView::Combined,
+    };
+    let mut items = s.client().command_output(&sb, &cid, &q).await.unwrap();
+    assert_eq!(stdin(&s, &sb, &cid, "go\n", true).await, 204);
     // The combined view as NDJSON, read as slowly: its offsets show any gap, and arrival
     // order may interleave the two streams where one command ends and the next begins.
     let combined = async {
-        let q = OutputQuery {
-            offset: 0,
-            follow: true,
-            view: OutputView::Combined,
-        };
-        let mut items = s.client().command_output(&sb, &cid, &q).await.unwrap();
         let (mut out, mut err, mut since_pause) = (Vec::new(), Vec::new(), 0);
         while let Some(item) = items.next().await {
             match item.unwrap() {
@@ -430,10 +434,7 @@ async fn slow_followers_lose_nothing_to_the_cap_and_a_stalled_one_holds_nothing_
         }
         panic!("the combined output ended without the command's end");
     };
-    let (stdout, (out, err)) = tokio::join!(
-        async { read_slowly(follow(&cid, "stdout").await.unwrap()).await },
-        combined,
-    );
+    let (stdout, (out, err)) = tokio::join!(read_slowly(raw_stdout), combined);
     assert_eq!(stdout.len(), seq.len(), "the stdout follower lost bytes");
     assert!(stdout == seq, "the stdout follower got other bytes");
     assert!(
@@ -453,9 +454,15 @@ async fn slow_followers_lose_nothing_to_the_cap_and_a_stalled_one_holds_nothing_
     assert_eq!(cmd["result"]["output_truncated"], true, "{cmd}");
 
     // A follower that stops reading holds the command back only for a while: it ends.
-    let cid = start(&s, &sb, json!({"shell": format!("seq 1 {n}")})).await;
+    let cid = start(
+        &s,
+        &sb,
+        json!({"shell": format!("head -n 1 >/dev/null; seq 1 {n}"), "stdin": true}),
+    )
+    .await;
     let stalled = follow(&cid, "stdout").await.unwrap();
     assert_eq!(stalled.status(), 200);
+    assert_eq!(stdin(&s, &sb, &cid, "go\n", true).await, 204);
     let (_, cmd) = s
         .get(&format!("/v1/sandboxes/{sb}/commands/{cid}?wait=300s"))
         .await;
