@@ -169,11 +169,16 @@ impl AgentConn {
         req: Request<HostBody>,
     ) -> Result<Response<Incoming>, AgentError> {
         let mut sender = self.sender.clone();
-        sender.ready().await.map_err(AgentError::Connection)?;
-        sender
-            .send_request(req)
-            .await
-            .map_err(AgentError::Connection)
+        // Either failure before the request went out says so (`NotSent`): the caller may
+        // then make it again on the next connection, whatever it is.
+        sender.ready().await.map_err(AgentError::NotSent)?;
+        sender.try_send_request(req).await.map_err(|mut e| {
+            if e.take_message().is_some() {
+                AgentError::NotSent(e.into_error())
+            } else {
+                AgentError::Connection(e.into_error())
+            }
+        })
     }
 
     /// [`Self::send`] for `method uri` with `body`, its answer's headers within `deadline`

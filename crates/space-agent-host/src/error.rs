@@ -20,6 +20,9 @@ pub enum AgentError {
     NotConnected,
     #[error("the connection to the agent failed")]
     Connection(#[source] hyper::Error),
+    /// The connection had ended before the request went out: the agent never saw it.
+    #[error("the connection to the agent had ended before the request went out")]
+    NotSent(#[source] hyper::Error),
     #[error("the sandbox's agent did not answer within {}s", .0.as_secs())]
     Timeout(Duration),
     /// The agent answered with an error status. `code` is the agent's code when it is one
@@ -59,9 +62,38 @@ impl AgentError {
     pub fn is_unreachable(&self) -> bool {
         matches!(
             self,
-            AgentError::NotConnected | AgentError::Timeout(_) | AgentError::Connection(_)
+            AgentError::NotConnected
+                | AgentError::Timeout(_)
+                | AgentError::Connection(_)
+                | AgentError::NotSent(_)
         )
     }
+
+    /// Whether a call that failed so may be made again on the agent's next connection:
+    /// one that never went out always; a [`Retry::Repeatable`] one also after its
+    /// connection broke under it (the agent may or may not have acted on it). Never
+    /// after the agent's answer, a refusal, or its silence ([`AgentError::Timeout`]: an
+    /// agent that does not answer is not helped by asking again).
+    pub fn may_retry(&self, retry: Retry) -> bool {
+        match self {
+            AgentError::NotSent(_) => true,
+            AgentError::Connection(_) => retry == Retry::Repeatable,
+            _ => false,
+        }
+    }
+}
+
+/// Whether a one-shot call to the agent may be made twice (see [`AgentError::may_retry`]
+/// and [`crate::call_again_on_break`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Retry {
+    /// Made twice, it does what it does once: a read, a `mkdir -p`, a signal (a
+    /// standard signal still pending is not delivered twice, and one a process handled
+    /// in between is the same as a client sending it again).
+    Repeatable,
+    /// Only if it never went out: a rename, a removal (made again after it was done, it
+    /// would answer "not found" for what it did).
+    IfNotSent,
 }
 
 /// The typed error for an error answer: `status` and the (already bounded) `body`.

@@ -24,11 +24,11 @@ pub use conn::{
     body_from_bytes, body_from_stream, AgentConn, HostBody, MAX_AGENT_ERROR, MAX_AGENT_JSON,
     PING_INTERVAL, PING_TIMEOUT, REQUEST_TIMEOUT,
 };
-pub use error::{AgentError, BodyError, MAX_ERROR_MESSAGE};
+pub use error::{AgentError, BodyError, Retry, MAX_ERROR_MESSAGE};
 pub use files::{Download, DownloadBody, DownloadFormat, UploadKind, Uploaded, MAX_LISTING_JSON};
 pub use listen::{
-    connection_counts, handshake, listen, wait_connected, wait_reconnected, HandshakeError,
-    HANDSHAKE_TIMEOUT, MAX_HANDSHAKES,
+    call_again_on_break, connection_counts, handshake, listen, wait_connected, wait_reconnected,
+    HandshakeError, HANDSHAKE_TIMEOUT, MAX_HANDSHAKES,
 };
 /// The protocol as this crate sees it: the agent's own tests reach it through here, since
 /// their dev-dependency on this crate links a second copy of `space_agent`.

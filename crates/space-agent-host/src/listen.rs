@@ -21,7 +21,7 @@ use tokio::sync::watch;
 use tokio_stream::StreamExt;
 
 use crate::conn::AgentConn;
-use crate::error::AgentError;
+use crate::error::{AgentError, Retry};
 
 /// How long a freshly accepted connection may take to say hello, where anything in the
 /// sandbox can connect (gVisor). A runtime whose socket only its hypervisor dials gives
@@ -290,6 +290,36 @@ pub async fn wait_reconnected(
     }
 }
 
+/// Makes a one-shot call (`call`) on the connection `rx` holds, waiting at most `timeout`
+/// for one; when the connection fails under it in a way `retry` allows
+/// ([`AgentError::may_retry`]), once more on the agent's next connection (at most
+/// `timeout` again). An agent whose connection broke (its host stalled past its pings,
+/// or a link that dropped) dials again within milliseconds: a caller should not hear
+/// of that. Without a next connection, the first failure is the answer.
+pub async fn call_again_on_break<T, F, Fut>(
+    rx: &mut watch::Receiver<Option<AgentConn>>,
+    timeout: Duration,
+    retry: Retry,
+    mut call: F,
+) -> Result<T, AgentError>
+where
+    F: FnMut(AgentConn) -> Fut,
+    Fut: std::future::Future<Output = Result<T, AgentError>>,
+{
+    let conn = wait_connected(rx, timeout).await?;
+    let generation = conn.generation();
+    match call(conn).await {
+        Err(e) if e.may_retry(retry) => {
+            tracing::info!(generation, error = %error_chain(&e), "an agent call failed with its connection; making it again on the next one");
+            match wait_reconnected(rx, generation, timeout).await {
+                Ok(next) => call(next).await,
+                Err(_) => Err(e),
+            }
+        }
+        r => r,
+    }
+}
+
 /// `e` and its sources, for a log line.
 pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
     let mut s = e.to_string();
@@ -305,6 +335,8 @@ pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering as AtomicOrdering};
+    use std::sync::Arc;
     use tokio::io::AsyncReadExt;
 
     async fn hello_exchange(hello: &[u8]) -> (Result<Hello, HandshakeError>, Vec<u8>) {
@@ -367,6 +399,128 @@ mod tests {
         assert!(matches!(r, Err(HandshakeError::Read(_))), "{r:?}");
         let (r, _) = hello_exchange(b"{\"protocol\":1").await;
         assert!(matches!(r, Err(HandshakeError::Read(_))), "{r:?}");
+    }
+
+    /// An agent on `io`, served by real HTTP/2: it counts the requests it gets and
+    /// answers each 204, or, with `breaks`, drops the connection at its first request
+    /// without answering (as an agent whose link broke under a call).
+    fn fake_agent(io: tokio::io::DuplexStream, breaks: bool) -> Arc<AtomicUsize> {
+        use hyper_util::rt::{TokioExecutor, TokioIo};
+        let served = Arc::new(AtomicUsize::new(0));
+        let (drop_tx, mut drop_rx) = tokio::sync::mpsc::channel::<()>(1);
+        let count = served.clone();
+        let svc = hyper::service::service_fn(move |_req| {
+            let (count, drop_tx) = (count.clone(), drop_tx.clone());
+            async move {
+                count.fetch_add(1, AtomicOrdering::SeqCst);
+                if breaks {
+                    let _ = drop_tx.send(()).await;
+                    std::future::pending::<()>().await;
+                }
+                let empty = http_body_util::Empty::<bytes::Bytes>::new();
+                Ok::<_, std::convert::Infallible>(
+                    http::Response::builder().status(204).body(empty).unwrap(),
+                )
+            }
+        });
+        let conn = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+            .serve_connection(TokioIo::new(io), svc);
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = conn => {}
+                _ = drop_rx.recv() => {}
+            }
+        });
+        served
+    }
+
+    /// A host connection to a [`fake_agent`].
+    async fn connected(breaks: bool) -> (AgentConn, Arc<AtomicUsize>) {
+        let (host, agent) = tokio::io::duplex(1 << 16);
+        let served = fake_agent(agent, breaks);
+        let conn = AgentConn::start(host, "sb_1", "test").await.unwrap();
+        (conn, served)
+    }
+
+    /// What the listener does: once `first` has ended, the agent's next connection.
+    fn redial_after(tx: watch::Sender<Option<AgentConn>>, first: AgentConn, next: AgentConn) {
+        tokio::spawn(async move {
+            first.closed().await;
+            tx.send_replace(Some(next));
+            // The sender lives as long as the test needs it.
+            std::future::pending::<()>().await;
+        });
+    }
+
+    const WAIT: Duration = Duration::from_secs(10);
+
+    #[tokio::test]
+    async fn a_call_whose_connection_breaks_is_made_again_on_the_next_when_it_may_be() {
+        // Repeatable (a signal): sent again on the next connection, and answered there.
+        let (first, first_served) = connected(true).await;
+        let (next, next_served) = connected(false).await;
+        let (tx, mut rx) = watch::channel(Some(first.clone()));
+        redial_after(tx, first, next);
+        let r = call_again_on_break(&mut rx, WAIT, Retry::Repeatable, |c| async move {
+            c.signal("cmd_1", 9).await
+        })
+        .await;
+        assert!(r.is_ok(), "{r:?}");
+        assert_eq!(first_served.load(AtomicOrdering::SeqCst), 1);
+        assert_eq!(next_served.load(AtomicOrdering::SeqCst), 1);
+
+        // IfNotSent (a rename): the first agent got it, so it is not made again; the
+        // caller hears of the break.
+        let (first, first_served) = connected(true).await;
+        let (next, next_served) = connected(false).await;
+        let (tx, mut rx) = watch::channel(Some(first.clone()));
+        redial_after(tx, first, next);
+        let r = call_again_on_break(&mut rx, WAIT, Retry::IfNotSent, |c| async move {
+            c.signal("cmd_1", 9).await
+        })
+        .await;
+        assert!(matches!(r, Err(AgentError::Connection(_))), "{r:?}");
+        assert_eq!(first_served.load(AtomicOrdering::SeqCst), 1);
+        assert_eq!(next_served.load(AtomicOrdering::SeqCst), 0);
+    }
+
+    #[tokio::test]
+    async fn a_call_that_never_went_out_is_made_on_the_next_connection_whatever_it_is() {
+        // The connection has ended by the time the call is made: nothing went out.
+        let (first, first_served) = connected(false).await;
+        first.close();
+        first.closed().await;
+        let alone = first.signal("cmd_1", 9).await;
+        assert!(matches!(alone, Err(AgentError::NotSent(_))), "{alone:?}");
+        assert!(alone.unwrap_err().may_retry(Retry::IfNotSent));
+        let (next, next_served) = connected(false).await;
+        let (tx, mut rx) = watch::channel(Some(first.clone()));
+        redial_after(tx, first, next);
+        let r = call_again_on_break(&mut rx, WAIT, Retry::IfNotSent, |c| async move {
+            c.signal("cmd_1", 9).await
+        })
+        .await;
+        assert!(r.is_ok(), "{r:?}");
+        assert_eq!(first_served.load(AtomicOrdering::SeqCst), 0);
+        assert_eq!(next_served.load(AtomicOrdering::SeqCst), 1);
+    }
+
+    #[tokio::test]
+    async fn without_a_next_connection_the_first_failure_is_the_answer() {
+        let (first, _) = connected(true).await;
+        let (_tx, mut rx) = watch::channel(Some(first));
+        let r = call_again_on_break(
+            &mut rx,
+            Duration::from_millis(300),
+            Retry::Repeatable,
+            |c| async move { c.signal("cmd_1", 9).await },
+        )
+        .await;
+        assert!(matches!(r, Err(AgentError::Connection(_))), "{r:?}");
+        // An answer, a refusal or silence is never a reason to ask again.
+        assert!(!AgentError::Timeout(WAIT).may_retry(Retry::Repeatable));
+        assert!(!AgentError::NotConnected.may_retry(Retry::Repeatable));
+        assert!(!AgentError::Protocol("x".into()).may_retry(Retry::Repeatable));
     }
 
     #[test]

@@ -7,11 +7,25 @@
 //! answering anything (every worker thread blocks) for SECONDS, or for good with 0:
 //! how tests show that the host notices a stuck agent and that no request waits on it.
 //!
+//! `agent:drop`: asked to run `space-failpoint drop-before KIND`, the agent drops its
+//! host connection the next time the host asks it for KIND (`signal`, or a file call:
+//! `download`, `upload`, `list`, `stat`, `mkdir`, `move`, `remove`), before acting on
+//! it, and dials again as after any break: how tests show that a call whose connection
+//! broke under it is made again on the next one, or answered 503 having changed nothing.
+//!
 //! `agent:silent`: the agent connects to the host and never says hello, as a guest that
 //! stalls after opening its link would: how tests show that a create whose agent never
 //! dials in boots the sandbox again.
 
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
+
+/// The kind of request `agent:drop` waits for, once armed.
+static DROP_BEFORE: Mutex<Option<String>> = Mutex::new(None);
+/// The kinds `agent:drop` knows.
+const DROP_KINDS: &[&str] = &[
+    "signal", "download", "upload", "list", "stat", "mkdir", "move", "remove",
+];
 
 #[cfg(feature = "test-hooks")]
 fn active(name: &str) -> bool {
@@ -42,6 +56,35 @@ pub fn wedge_if_asked(argv: &[String]) -> bool {
     }
     block(until);
     true
+}
+
+/// Whether `argv` arms `agent:drop` (`space-failpoint drop-before KIND`) and the
+/// failpoint is on; if so, arms it.
+pub fn arm_drop_if_asked(argv: &[String]) -> bool {
+    let [program, what, kind] = argv else {
+        return false;
+    };
+    if program != "space-failpoint"
+        || what != "drop-before"
+        || !DROP_KINDS.contains(&kind.as_str())
+        || !active("agent:drop")
+    {
+        return false;
+    }
+    note!("space-agent: failpoint agent:drop: dropping the host connection before the next {kind}");
+    *DROP_BEFORE.lock().unwrap_or_else(|e| e.into_inner()) = Some(kind.clone());
+    true
+}
+
+/// Whether a request of `kind` is the one `agent:drop` was armed for (it then disarms).
+pub fn drop_before(kind: &str) -> bool {
+    let mut armed = DROP_BEFORE.lock().unwrap_or_else(|e| e.into_inner());
+    if armed.as_deref() == Some(kind) && active("agent:drop") {
+        *armed = None;
+        note!("space-agent: failpoint agent:drop: dropping the host connection before a {kind}");
+        return true;
+    }
+    false
 }
 
 /// Whether the agent is to stay silent on its host connections (`agent:silent`).

@@ -43,6 +43,9 @@ pub struct Agent {
     commands: Mutex<BTreeMap<String, Arc<Cmd>>>,
     /// Told to drop the host connection (before a checkpoint, which cannot save one).
     pub quiesce: tokio::sync::Notify,
+    /// Told to drop the host connection and dial again at once, as after a broken link
+    /// (only the `agent:drop` failpoint does).
+    pub drop_link: tokio::sync::Notify,
     /// The value of `woken` when the host last quiesced the agent: until it changes (the
     /// host wakes the agent after the checkpoint's restore, or when the suspend is
     /// abandoned), the agent does not dial, so no connect is ever in flight while the
@@ -263,6 +266,14 @@ pub async fn handle(agent: Arc<Agent>, req: Request<Incoming>) -> Response<Body>
         .map(|p| p.split('/').collect())
         .unwrap_or_default();
     let method = req.method().clone();
+    if let Some(kind) = request_kind(&segs, &method) {
+        if crate::failpoint::drop_before(kind) {
+            // The connection goes before this is answered; the answer goes nowhere.
+            agent.drop_link.notify_one();
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            return error(StatusCode::SERVICE_UNAVAILABLE, "failpoint", "dropped");
+        }
+    }
     match (segs.as_slice(), method) {
         (["info"], Method::GET) => info(&agent),
         (["info"], _) => method_not_allowed(),
@@ -290,6 +301,21 @@ pub async fn handle(agent: Arc<Agent>, req: Request<Incoming>) -> Response<Body>
         (["files", op], _) => crate::files::handle(op, req).await,
         _ => error(StatusCode::NOT_FOUND, "not_found", "no such endpoint"),
     }
+}
+
+/// What the `agent:drop` failpoint calls a request (see `failpoint`).
+fn request_kind(segs: &[&str], method: &Method) -> Option<&'static str> {
+    Some(match (segs, method) {
+        (["commands", _, "signal"], &Method::POST) => "signal",
+        (["files"], &Method::GET) => "download",
+        (["files"], &Method::PUT) => "upload",
+        (["files"], &Method::DELETE) => "remove",
+        (["files", "list"], _) => "list",
+        (["files", "stat"], _) => "stat",
+        (["files", "mkdir"], _) => "mkdir",
+        (["files", "move"], _) => "move",
+        _ => return None,
+    })
 }
 
 fn info(agent: &Agent) -> Response<Body> {
@@ -320,6 +346,9 @@ async fn spawn_command(agent: Arc<Agent>, body: Incoming) -> Response<Body> {
     }
     if crate::failpoint::wedge_if_asked(&req.argv) {
         return error(StatusCode::CONFLICT, "failpoint", "the agent was wedged");
+    }
+    if crate::failpoint::arm_drop_if_asked(&req.argv) {
+        return error(StatusCode::CONFLICT, "failpoint", "agent:drop is armed");
     }
     let cmd = Arc::new(Cmd::new(req.id.clone()));
     {

@@ -497,5 +497,6 @@ async fn serve<S: HostLink>(stream: S, agent: Arc<Agent>) {
         },
         // Dropping the connection closes the socket; commands and their output are kept.
         _ = watcher.quiesce.notified() => {}
+        _ = watcher.drop_link.notified() => note!("space-agent: dropping the host connection (failpoint agent:drop)"),
     }
 }

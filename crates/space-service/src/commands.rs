@@ -22,7 +22,7 @@ use tokio::sync::{mpsc, watch};
 
 use super::output::{self, OutputProgress, OutputWriter, View};
 use super::{lock, validate_env, SandboxHandle, Service, ServiceError};
-use space_agent_host::{self as agent, AgentConn, AgentError, Attach};
+use space_agent_host::{self as agent, AgentConn, AgentError, Attach, Retry};
 
 /// How long a new command waits for the sandbox's agent to be connected.
 const SPAWN_CONNECT_TIMEOUT: Duration = Duration::from_secs(20);
@@ -691,8 +691,16 @@ impl Service {
             ServiceError::Conflict(format!("sandbox {sandbox_id} is not running"))
         })?;
         let mut rx = handle.agent.subscribe();
-        let conn = agent::wait_connected(&mut rx, SPAWN_CONNECT_TIMEOUT).await?;
-        match conn.signal(id, signal).await {
+        // Sent again on the agent's next connection if its connection broke under it: a
+        // KILL must not fail because the agent was redialling.
+        let sent = agent::call_again_on_break(
+            &mut rx,
+            SPAWN_CONNECT_TIMEOUT,
+            Retry::Repeatable,
+            |c| async move { c.signal(id, signal).await },
+        )
+        .await;
+        match sent {
             Ok(()) => {}
             Err(AgentError::Refused { status, .. }) if status == StatusCode::CONFLICT => {}
             Err(AgentError::Refused {

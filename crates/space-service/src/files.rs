@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use futures::{Stream, StreamExt};
-use space_agent_host::{self as agent, body_from_stream, AgentConn, AgentError};
+use space_agent_host::{self as agent, body_from_stream, AgentConn, AgentError, Retry};
 pub use space_agent_host::{
     BodyError, Download, DownloadBody, DownloadFormat, UploadKind, Uploaded,
 };
@@ -78,9 +78,10 @@ fn check_mode(mode: Option<u32>) -> Result<(), ServiceError> {
 /// the agent said is a bad gateway; an agent that is away is worth a retry.
 pub(crate) fn agent_failure(e: AgentError) -> ServiceError {
     match e {
-        AgentError::NotConnected | AgentError::Timeout(_) | AgentError::Connection(_) => {
-            ServiceError::Unavailable(super::error_chain(&e))
-        }
+        AgentError::NotConnected
+        | AgentError::Timeout(_)
+        | AgentError::Connection(_)
+        | AgentError::NotSent(_) => ServiceError::Unavailable(super::error_chain(&e)),
         AgentError::Refused {
             status,
             code,
@@ -107,8 +108,12 @@ pub(crate) fn agent_failure(e: AgentError) -> ServiceError {
 pub type UploadStream = std::pin::Pin<Box<dyn Stream<Item = Result<Bytes, BodyError>> + Send>>;
 
 impl Service {
-    /// The agent of a running sandbox, for a file call (409 in any other state).
-    async fn file_agent(&self, sandbox_id: &str) -> Result<AgentConn, ServiceError> {
+    /// Where a running sandbox's agent connection is found, for a file call (409 in any
+    /// other state).
+    fn file_agent(
+        &self,
+        sandbox_id: &str,
+    ) -> Result<tokio::sync::watch::Receiver<Option<AgentConn>>, ServiceError> {
         let rec = self.record(sandbox_id)?;
         match rec.sandbox.state {
             SandboxState::Running => {}
@@ -132,8 +137,24 @@ impl Service {
         let handle = self.live_handle(sandbox_id).ok_or_else(|| {
             ServiceError::Conflict(format!("sandbox {sandbox_id} is not running"))
         })?;
-        let mut rx = handle.agent.subscribe();
-        agent::wait_connected(&mut rx, CONNECT_TIMEOUT)
+        Ok(handle.agent.subscribe())
+    }
+
+    /// Makes `call` on a running sandbox's agent (409 in any other state); once more on
+    /// the agent's next connection when its connection broke under the call and `retry`
+    /// allows that (`agent::call_again_on_break`).
+    async fn file_call<T, F, Fut>(
+        &self,
+        sandbox_id: &str,
+        retry: Retry,
+        call: F,
+    ) -> Result<T, ServiceError>
+    where
+        F: FnMut(AgentConn) -> Fut,
+        Fut: std::future::Future<Output = Result<T, AgentError>>,
+    {
+        let mut rx = self.file_agent(sandbox_id)?;
+        agent::call_again_on_break(&mut rx, CONNECT_TIMEOUT, retry, call)
             .await
             .map_err(agent_failure)
     }
@@ -147,8 +168,13 @@ impl Service {
         format: DownloadFormat,
     ) -> Result<Download, ServiceError> {
         check_path("path", path)?;
-        let conn = self.file_agent(sandbox_id).await?;
-        let mut d = conn.download(path, format).await.map_err(agent_failure)?;
+        // Its request is made again after a break; once its answer came, a break is the
+        // body's error.
+        let mut d = self
+            .file_call(sandbox_id, Retry::Repeatable, |c| async move {
+                c.download(path, format).await
+            })
+            .await?;
         self.touch(sandbox_id);
         // Counted here, so every front door's downloads are (`space_streamed_bytes_total`).
         let svc = self.clone();
@@ -200,15 +226,24 @@ impl Service {
             return Err(too_large());
         }
         let _upload = self.admit_upload(tenant)?;
-        let conn = self.file_agent(sandbox_id).await?;
         // Missing parent directories are made first (`mkdir -p`, inside the sandbox).
         if let Some(dir) = parent {
-            let req = MkdirRequest {
+            let req = &MkdirRequest {
                 path: dir,
                 ..Default::default()
             };
-            conn.mkdir(&req).await.map_err(agent_failure)?;
+            self.file_call(sandbox_id, Retry::Repeatable, |c| async move {
+                c.mkdir(req).await
+            })
+            .await?;
         }
+        // The upload itself is made once: its body is read as it goes out, so there is
+        // nothing to send again. A break is a 503 that changes nothing (the agent
+        // renames the file into place only once all of it came).
+        let mut rx = self.file_agent(sandbox_id)?;
+        let conn = agent::wait_connected(&mut rx, CONNECT_TIMEOUT)
+            .await
+            .map_err(agent_failure)?;
         let exceeded = Arc::new(AtomicBool::new(false));
         let body = bounded(body, max, exceeded.clone());
         let result = conn.upload(path, kind, body_from_stream(body)).await;
@@ -232,8 +267,10 @@ impl Service {
                 format!("depth must be between 1 and {MAX_DEPTH}"),
             ));
         }
-        let conn = self.file_agent(sandbox_id).await?;
-        conn.list_files(path, depth).await.map_err(agent_failure)
+        self.file_call(sandbox_id, Retry::Repeatable, |c| async move {
+            c.list_files(path, depth).await
+        })
+        .await
     }
 
     pub(super) async fn stat_file(
@@ -242,8 +279,10 @@ impl Service {
         path: &str,
     ) -> Result<FileInfo, ServiceError> {
         check_path("path", path)?;
-        let conn = self.file_agent(sandbox_id).await?;
-        conn.stat(path).await.map_err(agent_failure)
+        self.file_call(sandbox_id, Retry::Repeatable, |c| async move {
+            c.stat(path).await
+        })
+        .await
     }
 
     pub(super) async fn mkdir(
@@ -253,8 +292,11 @@ impl Service {
     ) -> Result<FileInfo, ServiceError> {
         check_path("path", &req.path)?;
         check_mode(req.mode)?;
-        let conn = self.file_agent(sandbox_id).await?;
-        conn.mkdir(req).await.map_err(agent_failure)
+        // `mkdir -p`: made twice, the same.
+        self.file_call(sandbox_id, Retry::Repeatable, |c| async move {
+            c.mkdir(req).await
+        })
+        .await
     }
 
     pub(super) async fn move_file(
@@ -264,8 +306,11 @@ impl Service {
     ) -> Result<FileInfo, ServiceError> {
         check_path("from", &req.from)?;
         check_path("to", &req.to)?;
-        let conn = self.file_agent(sandbox_id).await?;
-        conn.move_file(req).await.map_err(agent_failure)
+        // Made again after it was done, a rename would answer "not found".
+        self.file_call(sandbox_id, Retry::IfNotSent, |c| async move {
+            c.move_file(req).await
+        })
+        .await
     }
 
     pub(super) async fn remove_file(
@@ -281,8 +326,11 @@ impl Service {
                 "refusing to remove the root directory",
             ));
         }
-        let conn = self.file_agent(sandbox_id).await?;
-        conn.remove(path, recursive).await.map_err(agent_failure)
+        // Made again after it was done, a removal would answer "not found".
+        self.file_call(sandbox_id, Retry::IfNotSent, |c| async move {
+            c.remove(path, recursive).await
+        })
+        .await
     }
 }
 

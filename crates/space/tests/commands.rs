@@ -656,3 +656,137 @@ async fn output_format_raw_is_the_bytes_alone() {
     }
     s.destroy(&sb).await;
 }
+
+/// A one-shot call whose agent connection breaks under it (`SPACE_FAILPOINT=agent:drop`:
+/// armed by `space-failpoint drop-before KIND`, the agent drops its host connection when
+/// the next KIND request comes, before acting on it, and dials again). A call that does
+/// the same when made twice (a signal, a read, `mkdir -p`) is made again on the next
+/// connection and answered as usual; one that does not (a rename, a removal, an upload)
+/// is a 503 that changed nothing, and works when the client makes it again. A KILL that
+/// came while the agent was redialling was a 503 (hostile `resource_abuse`, in CI).
+#[tokio::test]
+async fn calls_whose_agent_connection_breaks_are_made_again_or_change_nothing() {
+    let s = TestServer::start_with_env(&[], &[("SPACE_FAILPOINT", "agent:drop")]).await;
+    let sb = s.create("busybox").await;
+    let files = format!("/v1/sandboxes/{sb}/files");
+    let arm = |kind: &'static str| {
+        let s = &s;
+        let sb = &sb;
+        async move {
+            let (st, out) = s
+                .post(
+                    &format!("/v1/sandboxes/{sb}/commands"),
+                    json!({"argv": ["space-failpoint", "drop-before", kind]}),
+                )
+                .await;
+            assert!(
+                st == 400 && out.to_string().contains("agent:drop is armed"),
+                "arming agent:drop before a {kind} (an agent built without its test hooks \
+                 cannot: FEATURES=test-hooks scripts/build.sh): {st} {out}"
+            );
+        }
+    };
+    // The server logs each call it makes again.
+    let again = || s.log().matches("making it again on the next one").count();
+    let send = |method: reqwest::Method, path: String, body: Option<Vec<u8>>| {
+        let mut r = s.req(method, &path);
+        if let Some(b) = body {
+            r = r.body(b);
+        }
+        async move {
+            let resp = r.send().await.unwrap();
+            let st = resp.status().as_u16();
+            (st, resp.bytes().await.unwrap().to_vec())
+        }
+    };
+    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+
+    // A KILL.
+    let cid = start(&s, &sb, json!({"argv": ["sleep", "600"]})).await;
+    arm("signal").await;
+    let (st, out) = s
+        .post(
+            &format!("/v1/sandboxes/{sb}/commands/{cid}/signal"),
+            json!({"signal": "KILL"}),
+        )
+        .await;
+    assert_eq!(st, 200, "{out}");
+    let (_, cmd) = s
+        .get(&format!("/v1/sandboxes/{sb}/commands/{cid}?wait=30s"))
+        .await;
+    assert_eq!(cmd["state"], "killed", "{cmd}");
+    assert_eq!(again(), 1, "the KILL was not sent again");
+
+    // Reads and `mkdir -p`: answered as if nothing broke.
+    let up = send(
+        reqwest::Method::PUT,
+        format!("{files}?path=/tmp/d/a.txt&parents=true"),
+        Some(b"hello".to_vec()),
+    )
+    .await;
+    assert_eq!(up.0, 201, "{}", text(&up.1));
+    arm("stat").await;
+    let before = again();
+    let (st, info) = s.get(&format!("{files}/stat?path=/tmp/d/a.txt")).await;
+    assert_eq!((st, info["size"].as_u64()), (200, Some(5)), "{info}");
+    arm("list").await;
+    let (st, listing) = s.get(&format!("{files}/list?path=/tmp/d")).await;
+    assert_eq!(st, 200, "{listing}");
+    assert!(listing.to_string().contains("a.txt"), "{listing}");
+    arm("download").await;
+    let (st, body) = send(
+        reqwest::Method::GET,
+        format!("{files}?path=/tmp/d/a.txt"),
+        None,
+    )
+    .await;
+    assert_eq!((st, text(&body).as_str()), (200, "hello"));
+    arm("mkdir").await;
+    let (st, out) = s
+        .post(&format!("{files}/mkdir"), json!({"path": "/tmp/d/e/f"}))
+        .await;
+    assert_eq!(st, 201, "{out}");
+    assert_eq!(again() - before, 4, "a call was not made again");
+
+    // A rename, a removal, an upload: a 503 that changed nothing; then they work.
+    let exists = |path: &'static str| {
+        let s = &s;
+        let files = &files;
+        async move { s.get(&format!("{files}/stat?path={path}")).await.0 == 200 }
+    };
+    let mv = json!({"from": "/tmp/d/a.txt", "to": "/tmp/d/b.txt"});
+    arm("move").await;
+    let (st, out) = s.post(&format!("{files}/move"), mv.clone()).await;
+    assert_eq!(st, 503, "{out}");
+    assert!(exists("/tmp/d/a.txt").await && !exists("/tmp/d/b.txt").await);
+    let (st, out) = s.post(&format!("{files}/move"), mv).await;
+    assert_eq!(st, 200, "{out}");
+    assert!(!exists("/tmp/d/a.txt").await && exists("/tmp/d/b.txt").await);
+
+    arm("remove").await;
+    let (st, out) = s.delete(&format!("{files}?path=/tmp/d/b.txt")).await;
+    assert_eq!(st, 503, "{out}");
+    assert!(exists("/tmp/d/b.txt").await);
+    let (st, out) = s.delete(&format!("{files}?path=/tmp/d/b.txt")).await;
+    assert_eq!(st, 200, "{out}");
+    assert!(!exists("/tmp/d/b.txt").await);
+
+    arm("upload").await;
+    let put = || {
+        send(
+            reqwest::Method::PUT,
+            format!("{files}?path=/tmp/d/c.txt"),
+            Some(vec![b'x'; 100_000]),
+        )
+    };
+    let (st, body) = put().await;
+    assert_eq!(st, 503, "{}", text(&body));
+    assert!(!exists("/tmp/d/c.txt").await);
+    let (st, body) = put().await;
+    assert_eq!(st, 201, "{}", text(&body));
+    assert_eq!(again() - before, 4, "a call that may not be made twice was");
+    // The sandbox is as it was: its next command runs.
+    let out = s.sh(&sb, "echo still-here").await;
+    assert_eq!(out["stdout"], "still-here\n", "{out}");
+    s.destroy(&sb).await;
+}
