@@ -20,7 +20,7 @@ use space_api::{
 use space_core::{new_id, now_rfc3339};
 use tokio::sync::{mpsc, watch};
 
-use super::output::{self, OutputProgress, OutputWriter, View};
+use super::output::{self, HoldLine, OutputProgress, OutputWriter, View};
 use super::{lock, validate_env, SandboxHandle, Service, ServiceError};
 use space_agent_host::{self as agent, AgentConn, AgentError, Attach, Retry};
 
@@ -56,7 +56,8 @@ pub(crate) struct CommandHandle {
 ///
 /// The output cap keeps only the tail of a stream, so a follower slower than its writer
 /// would lose what the cap drops before it reads it. Instead, while a follower that is
-/// still moving lags more than half the cap behind, the session withholds its
+/// still moving lags more than half of what is kept behind (the bytes of the cap, or the
+/// records of the index: [`OutputWriter::hold_line`]), the session withholds its
 /// acknowledgements: the agent then keeps at most [`RETAIN_MAX_BYTES`] per stream
 /// unacknowledged and stops reading the command's pipe, and the command waits on its
 /// writes, as it would writing to a slow pipe. A follower that has not moved for
@@ -118,26 +119,31 @@ impl Drop for FollowerMark {
 }
 
 impl Followers {
+    /// Whether any follower is registered.
+    fn any(&self) -> bool {
+        !lock(&self.by_id).is_empty()
+    }
+
     /// When the session may stop waiting for the followers that hold it back now (the
-    /// soonest of their stall deadlines), or `None` when none does: none lags more than
-    /// `most` bytes behind `p` while still moving.
-    fn holding(&self, p: &OutputProgress, most: u64) -> Option<tokio::time::Instant> {
+    /// soonest of their stall deadlines), or `None` when none does: none is below `line`
+    /// in its view while still moving.
+    fn holding(&self, line: &HoldLine) -> Option<tokio::time::Instant> {
         let now = tokio::time::Instant::now();
         lock(&self.by_id)
             .values()
-            .filter(|f| view_end(p, f.view).saturating_sub(f.offset) > most)
+            .filter(|f| f.offset < line.of(f.view))
             .map(|f| f.moved_at + FOLLOWER_STALL)
             .filter(|deadline| *deadline > now)
             .min()
     }
 
     /// Waits until no follower holds the session back (see [`Followers::holding`]).
-    async fn released(&self, p: OutputProgress, most: u64) {
+    async fn released(&self, line: HoldLine) {
         loop {
             let moved = self.moved.notified();
             tokio::pin!(moved);
             moved.as_mut().enable();
-            let Some(deadline) = self.holding(&p, most) else {
+            let Some(deadline) = self.holding(&line) else {
                 return;
             };
             tokio::select! {
@@ -1036,15 +1042,16 @@ async fn pump(
     ch: &CommandHandle,
     sb: &SandboxHandle,
 ) -> PumpEnd {
-    // Progress not acknowledged yet because a follower lags (see [`Followers`]).
-    let mut held: Option<OutputProgress> = None;
+    // Progress not acknowledged yet because a follower lags (see [`Followers`]), and the
+    // line that follower must pass.
+    let mut held: Option<(OutputProgress, HoldLine)> = None;
     loop {
         // All cancel-safe: nothing read is lost when another branch wins.
         let first = tokio::select! {
             f = attach.next_frame() => f,
             _ = sb.closed.cancelled() => return PumpEnd::Closed,
-            _ = release(ch, held, writer.keeps()) => {
-                if let Some(p) = held.take() {
+            _ = release(ch, held.map(|(_, line)| line)) => {
+                if let Some((p, _)) = held.take() {
                     if tx.send(ack(&p)).await.is_err() {
                         return PumpEnd::Disconnected;
                     }
@@ -1104,9 +1111,12 @@ async fn pump(
             // most its retained bytes past the last ack, and an unread HTTP/2 stream would
             // hold the connection's window, which the sandbox's other streams share.
             held = None;
-            let keeps = writer.keeps();
-            if keeps > 0 && ch.followers.holding(&p, keeps / 2).is_some() {
-                held = Some(p);
+            let line = match ch.followers.any() {
+                true => writer.hold_line().ok().flatten(),
+                false => None,
+            };
+            if let Some(line) = line.filter(|l| ch.followers.holding(l).is_some()) {
+                held = Some((p, line));
             } else if tx.send(ack(&p)).await.is_err() {
                 return PumpEnd::Disconnected;
             }
@@ -1122,13 +1132,12 @@ fn ack(p: &OutputProgress) -> Bytes {
     .to_bytes()
 }
 
-/// Resolves when the acknowledgement of `held` may go to the agent: no follower lags
-/// more than half of what each stream keeps (`keeps`, 0: everything) behind it, or
-/// those that do have stalled. Never resolves when nothing is held.
-async fn release(ch: &CommandHandle, held: Option<OutputProgress>, keeps: u64) {
-    match held {
-        Some(p) if keeps > 0 => ch.followers.released(p, keeps / 2).await,
-        Some(_) => {}
+/// Resolves when a held acknowledgement may go to the agent: no follower is below
+/// `line` in its view any more, or those that are have stalled. Never resolves when
+/// nothing is held.
+async fn release(ch: &CommandHandle, line: Option<HoldLine>) {
+    match line {
+        Some(line) => ch.followers.released(line).await,
         None => std::future::pending().await,
     }
 }
@@ -1222,35 +1231,32 @@ mod tests {
         })
     }
 
-    fn at(stdout: u64, stderr: u64) -> OutputProgress {
-        OutputProgress {
-            stdout,
-            stderr,
-            ..Default::default()
-        }
-    }
-
     #[tokio::test(start_paused = true)]
     async fn a_lagging_follower_holds_until_it_catches_up_stalls_or_leaves() {
         let ch = handle();
-        let p = at(100, 50);
+        // Ends at stdout 100, stderr 50, combined 150; lagging more than 10 holds.
+        let line = HoldLine {
+            stdout: 90,
+            stderr: 40,
+            combined: 140,
+        };
         // Nobody follows: nothing holds.
-        assert!(ch.followers.holding(&p, 10).is_none());
+        assert!(ch.followers.holding(&line).is_none());
         // Each view lags by its own measure: stdout 100 - 95, stderr 50 - 0, combined 150 - 95.
         let out = FollowerMark::join(ch.clone(), View::Stdout, 95);
-        assert!(ch.followers.holding(&p, 10).is_none());
+        assert!(ch.followers.holding(&line).is_none());
         let err = FollowerMark::join(ch.clone(), View::Stderr, 0);
-        assert!(ch.followers.holding(&p, 10).is_some());
+        assert!(ch.followers.holding(&line).is_some());
         err.moved_to(45);
-        assert!(ch.followers.holding(&p, 10).is_none());
+        assert!(ch.followers.holding(&line).is_none());
         let both = FollowerMark::join(ch.clone(), View::Combined, 95);
-        assert!(ch.followers.holding(&p, 10).is_some());
+        assert!(ch.followers.holding(&line).is_some());
         // Moving backwards is not moving.
         both.moved_to(10);
         // Released once it catches up...
         let released = tokio::spawn({
             let ch = ch.clone();
-            async move { ch.followers.released(p, 10).await }
+            async move { ch.followers.released(line).await }
         });
         tokio::time::sleep(Duration::from_secs(1)).await;
         assert!(!released.is_finished());
@@ -1259,10 +1265,10 @@ mod tests {
         drop(both);
         // ... or when it leaves ...
         let gone = FollowerMark::join(ch.clone(), View::Combined, 95);
-        assert!(ch.followers.holding(&p, 10).is_some());
+        assert!(ch.followers.holding(&line).is_some());
         let released = tokio::spawn({
             let ch = ch.clone();
-            async move { ch.followers.released(p, 10).await }
+            async move { ch.followers.released(line).await }
         });
         tokio::time::sleep(Duration::from_secs(1)).await;
         assert!(!released.is_finished());
@@ -1271,12 +1277,12 @@ mod tests {
         // ... or once it has not moved for FOLLOWER_STALL, until it moves again.
         let slow = FollowerMark::join(ch.clone(), View::Stdout, 0);
         let start = tokio::time::Instant::now();
-        ch.followers.released(p, 10).await;
+        ch.followers.released(line).await;
         assert_eq!(start.elapsed(), FOLLOWER_STALL);
-        assert!(ch.followers.holding(&p, 10).is_none());
+        assert!(ch.followers.holding(&line).is_none());
         slow.moved_to(1);
-        assert!(ch.followers.holding(&p, 10).is_some());
+        assert!(ch.followers.holding(&line).is_some());
         drop((out, err, slow));
-        assert!(ch.followers.holding(&p, 0).is_none());
+        assert!(ch.followers.holding(&line).is_none());
     }
 }

@@ -106,6 +106,26 @@ impl OutputBudget {
     }
 }
 
+/// Offsets per view below which a live reader lags so far that the cap may soon drop
+/// what it has not read ([`OutputWriter::hold_line`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct HoldLine {
+    pub stdout: u64,
+    pub stderr: u64,
+    pub combined: u64,
+}
+
+impl HoldLine {
+    /// The line in `view`.
+    pub fn of(&self, view: View) -> u64 {
+        match view {
+            View::Stdout => self.stdout,
+            View::Stderr => self.stderr,
+            View::Combined => self.combined,
+        }
+    }
+}
+
 /// How much has been stored so far.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct OutputProgress {
@@ -380,6 +400,35 @@ impl OutputWriter {
     /// of the sandbox's budget.
     pub fn keeps(&self) -> u64 {
         self.effective_cap()
+    }
+
+    /// Where, in each view, a reader is more than half of what is kept behind the end:
+    /// half the bytes each stream keeps ([`Self::keeps`]), or half the records the index
+    /// keeps, whichever is nearer the end. Tiny writes that alternate between the two
+    /// streams make one index record each, so the index can reach its cap long before
+    /// the bytes reach theirs, and its trim drops their output too. `None` when
+    /// everything is kept.
+    pub fn hold_line(&self) -> io::Result<Option<HoldLine>> {
+        let cap = self.effective_cap();
+        if cap == 0 {
+            return Ok(None);
+        }
+        let p = self.progress;
+        let half = cap / 2;
+        let mut line = HoldLine {
+            stdout: p.stdout.saturating_sub(half),
+            stderr: p.stderr.saturating_sub(half),
+            combined: p.combined().saturating_sub(half),
+        };
+        let half_records = ((index_cap(cap) / RECORD_LEN) / 2).max(1);
+        if self.records.saturating_sub(self.first_record) > half_records {
+            let r = record_at(&self.index, self.records - half_records)?;
+            let (out, err) = r.stream_starts();
+            line.stdout = line.stdout.max(out);
+            line.stderr = line.stderr.max(err);
+            line.combined = line.combined.max(r.combined_offset);
+        }
+        Ok(Some(line))
     }
 
     /// The bytes each stream keeps: the cap, and the command's share of the budget.
@@ -844,6 +893,68 @@ mod tests {
         drop(w);
         let w = OutputWriter::open(dir.path(), 2 << 20, None).unwrap();
         assert_eq!(w.progress().stdout_base, p.stdout_base);
+    }
+
+    #[test]
+    fn the_hold_line_is_half_of_what_is_kept_in_bytes_or_in_index_records() {
+        let dir = tempfile::tempdir().unwrap();
+        // Nothing is dropped without a cap, so nobody is held for.
+        let mut w = OutputWriter::open(dir.path(), 0, None).unwrap();
+        w.append(Stream::Stdout, b"x").unwrap();
+        assert_eq!(w.hold_line().unwrap(), None);
+
+        // Bytes: half the cap behind each end.
+        let dir = tempfile::tempdir().unwrap();
+        let cap = 2 << 20;
+        let mut w = OutputWriter::open(dir.path(), cap, None).unwrap();
+        w.append(Stream::Stdout, &vec![b'o'; 3 << 20]).unwrap();
+        w.append(Stream::Stderr, &[b'e'; 100]).unwrap();
+        let line = w.hold_line().unwrap().unwrap();
+        assert_eq!(
+            (line.stdout, line.stderr, line.combined),
+            ((3 << 20) - (1 << 20), 0, (3 << 20) + 100 - (1 << 20))
+        );
+
+        // Records: one-byte writes that alternate between the streams make a record
+        // each. The index keeps 1 MiB of them (43690) and trims its head once it holds
+        // a step (as many again) more, long before the bytes reach the cap; so the line
+        // is half the records kept behind the newest.
+        let dir = tempfile::tempdir().unwrap();
+        let mut w = OutputWriter::open(dir.path(), cap, None).unwrap();
+        let write = |w: &mut OutputWriter, from: u64, to: u64| {
+            for i in from..to {
+                let stream = [Stream::Stdout, Stream::Stderr][(i % 2) as usize];
+                w.append(stream, b"x").unwrap();
+            }
+        };
+        let kept = index_cap(cap) / RECORD_LEN;
+        let (half, n) = (kept / 2, 2 * kept);
+        write(&mut w, 0, n);
+        assert!(!w.progress().truncated(), "nothing trimmed yet");
+        let line = w.hold_line().unwrap().unwrap();
+        let at = n - half;
+        assert_eq!(
+            (line.combined, line.stdout, line.stderr),
+            (at, at.div_ceil(2), at / 2)
+        );
+        // The trim comes with the next record. A reader at the line still finds all its
+        // bytes after it, and after as many records again; one far behind finds a gap.
+        write(&mut w, n, n + half);
+        let p = w.progress();
+        assert!(p.truncated());
+        let end = p.combined();
+        let got = read_pieces(dir.path(), View::Combined, at, end, usize::MAX).unwrap();
+        assert_eq!(got[0].offset, at);
+        assert_eq!(
+            got.iter().map(|p| p.data.len() as u64).sum::<u64>(),
+            end - at
+        );
+        let behind = read_pieces(dir.path(), View::Combined, 0, end, usize::MAX).unwrap();
+        assert!(
+            behind[0].offset > 0 && behind[0].offset <= at,
+            "{}",
+            behind[0].offset
+        );
     }
 
     /// Pages of the first `len` bytes of `file` in the page cache.
