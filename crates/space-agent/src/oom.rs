@@ -41,11 +41,17 @@ const FASTEST_GROWTH: u64 = 4 << 30;
 const MIN_PAUSE: Duration = Duration::from_millis(2);
 const MAX_PAUSE: Duration = Duration::from_millis(100);
 /// How long a killed process may take to exit (it is scheduled like any other; a
-/// loaded host makes that slow), and then its memory to come back (measured: 10–20 ms
-/// for 150 MiB), before the next victim is chosen: killing another before would kill
-/// for nothing, waiting longer would let a second bomb grow unchecked.
+/// loaded host makes that slow), and then its memory to come back, before the next
+/// victim is chosen: killing another before would kill for nothing. The memory of
+/// 150 MiB came back in 10–20 ms on a quiet host; on a loaded one it took more than
+/// 100 ms, and the next biggest process (a `sleep` beside the bomb) was killed for
+/// nothing. So the watch waits up to a second for it, unless a process grows meanwhile
+/// by more than a quarter of the floor: a second bomb, which is then the next victim
+/// at once ([`wait_for_release`]).
 const EXIT_WAIT: Duration = Duration::from_secs(5);
-const RELEASE_WAIT: Duration = Duration::from_millis(100);
+const RELEASE_WAIT: Duration = Duration::from_secs(1);
+/// How often, while waiting for a release, the watch looks for a process that grows.
+const GROWTH_CHECK: Duration = Duration::from_millis(5);
 /// While it polls, how often the watch looks for processes besides the agent.
 const IDLE_CHECK: Duration = Duration::from_secs(1);
 /// How long an idle watch sleeps when no command starts (a safety net: every process
@@ -134,10 +140,12 @@ fn watch(agent: &Agent, total: u64) {
                 while start.elapsed() < EXIT_WAIT && resident_pages(victim).is_some_and(|r| r > 0) {
                     std::thread::sleep(MIN_PAUSE);
                 }
-                let start = Instant::now();
-                while start.elapsed() < RELEASE_WAIT && memory().is_some_and(|(_, f)| f <= floor) {
-                    std::thread::sleep(MIN_PAUSE);
-                }
+                wait_for_release(
+                    floor,
+                    RELEASE_WAIT,
+                    || memory().map(|(_, f)| f),
+                    biggest_resident,
+                );
                 continue;
             }
         }
@@ -160,7 +168,15 @@ fn resident_pages(pid: i32) -> Option<u64> {
 
 /// The pid of the process (other than the agent) with the largest resident set.
 fn biggest() -> Option<i32> {
+    biggest_resident().map(|(pid, _)| pid)
+}
+
+/// The process (other than the agent) with the largest resident set, and that set in
+/// bytes.
+fn biggest_resident() -> Option<(i32, u64)> {
     let me = i32::try_from(std::process::id()).unwrap_or(1);
+    // SAFETY: a plain query.
+    let page = u64::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096);
     std::fs::read_dir("/proc")
         .ok()?
         .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
@@ -168,7 +184,34 @@ fn biggest() -> Option<i32> {
         .filter_map(|pid| Some((resident_pages(pid)?, pid)))
         .filter(|&(resident, _)| resident > 0)
         .max()
-        .map(|(_, pid)| pid)
+        .map(|(pages, pid)| (pid, pages.saturating_mul(page)))
+}
+
+/// After a victim has exited: waits until free memory (`free`) is above `floor` again
+/// (the victim's memory came back), or a process grows by more than a quarter of the
+/// floor (`biggest`: the largest process and its resident bytes; a second bomb, to be
+/// killed next), or `most` has passed. Whether a process grew.
+fn wait_for_release(
+    floor: u64,
+    most: Duration,
+    mut free: impl FnMut() -> Option<u64>,
+    mut biggest: impl FnMut() -> Option<(i32, u64)>,
+) -> bool {
+    let start = Instant::now();
+    let mut first_seen: std::collections::HashMap<i32, u64> = Default::default();
+    while start.elapsed() < most {
+        if free().is_none_or(|f| f > floor) {
+            return false;
+        }
+        if let Some((pid, resident)) = biggest() {
+            let was = *first_seen.entry(pid).or_insert(resident);
+            if resident.saturating_sub(was) > floor / 4 {
+                return true;
+            }
+        }
+        std::thread::sleep(GROWTH_CHECK);
+    }
+    false
 }
 
 fn kill(agent: &Agent, pid: i32) {
@@ -201,5 +244,64 @@ mod tests {
         assert_eq!(resident_pages(i32::MAX), None);
         // Never the caller itself.
         assert_ne!(biggest(), Some(me));
+    }
+
+    const FLOOR: u64 = 4 << 20;
+    const MOST: Duration = Duration::from_millis(300);
+
+    #[test]
+    fn after_a_kill_the_next_victim_waits_for_the_memory_to_come_back() {
+        // The memory comes back after a while (slower than the old 100 ms wait): the
+        // watch waits for it, and nothing else is killed for it.
+        let mut polls = 0;
+        let start = Instant::now();
+        let grew = wait_for_release(
+            FLOOR,
+            Duration::from_secs(5),
+            || {
+                polls += 1;
+                Some(if polls < 40 { FLOOR / 2 } else { FLOOR * 10 })
+            },
+            || Some((7, 100 << 10)),
+        );
+        assert!(!grew);
+        assert!(start.elapsed() >= 39 * GROWTH_CHECK);
+        assert!(start.elapsed() < Duration::from_secs(5));
+
+        // It never comes back, and nothing grows: the next victim after `most`.
+        let start = Instant::now();
+        let grew = wait_for_release(FLOOR, MOST, || Some(0), || Some((7, 100 << 10)));
+        assert!(!grew);
+        assert!(start.elapsed() >= MOST);
+    }
+
+    #[test]
+    fn after_a_kill_a_process_that_grows_is_the_next_victim_at_once() {
+        // A second bomb: its resident set grows by more than a quarter of the floor.
+        let mut resident = 1 << 20;
+        let start = Instant::now();
+        let grew = wait_for_release(
+            FLOOR,
+            Duration::from_secs(5),
+            || Some(0),
+            || {
+                resident += 256 << 10;
+                Some((9, resident))
+            },
+        );
+        assert!(grew);
+        assert!(start.elapsed() < Duration::from_secs(1));
+        // Which process is biggest may change; each is measured against itself.
+        let mut calls = 0u64;
+        let grew = wait_for_release(
+            FLOOR,
+            MOST,
+            || Some(0),
+            || {
+                calls += 1;
+                Some((i32::try_from(calls % 2).unwrap(), 1 << 20))
+            },
+        );
+        assert!(!grew);
     }
 }
