@@ -454,17 +454,27 @@ mod tests {
 
     const WAIT: Duration = Duration::from_secs(10);
 
+    /// A signal through [`call_again_on_break`], made on `first` and, when the agent
+    /// dials again after `first` ended, on `next`.
+    async fn signal_across(
+        first: AgentConn,
+        next: AgentConn,
+        retry: Retry,
+    ) -> Result<(), AgentError> {
+        let (tx, mut rx) = watch::channel(Some(first.clone()));
+        redial_after(tx, first, next);
+        call_again_on_break(&mut rx, WAIT, retry, |c| async move {
+            c.signal("cmd_1", 9).await
+        })
+        .await
+    }
+
     #[tokio::test]
     async fn a_call_whose_connection_breaks_is_made_again_on_the_next_when_it_may_be() {
         // Repeatable (a signal): sent again on the next connection, and answered there.
         let (first, first_served) = connected(true).await;
         let (next, next_served) = connected(false).await;
-        let (tx, mut rx) = watch::channel(Some(first.clone()));
-        redial_after(tx, first, next);
-        let r = call_again_on_break(&mut rx, WAIT, Retry::Repeatable, |c| async move {
-            c.signal("cmd_1", 9).await
-        })
-        .await;
+        let r = signal_across(first, next, Retry::Repeatable).await;
         assert!(r.is_ok(), "{r:?}");
         assert_eq!(first_served.load(AtomicOrdering::SeqCst), 1);
         assert_eq!(next_served.load(AtomicOrdering::SeqCst), 1);
@@ -473,12 +483,7 @@ mod tests {
         // caller hears of the break.
         let (first, first_served) = connected(true).await;
         let (next, next_served) = connected(false).await;
-        let (tx, mut rx) = watch::channel(Some(first.clone()));
-        redial_after(tx, first, next);
-        let r = call_again_on_break(&mut rx, WAIT, Retry::IfNotSent, |c| async move {
-            c.signal("cmd_1", 9).await
-        })
-        .await;
+        let r = signal_across(first, next, Retry::IfNotSent).await;
         assert!(matches!(r, Err(AgentError::Connection(_))), "{r:?}");
         assert_eq!(first_served.load(AtomicOrdering::SeqCst), 1);
         assert_eq!(next_served.load(AtomicOrdering::SeqCst), 0);
@@ -494,12 +499,7 @@ mod tests {
         assert!(matches!(alone, Err(AgentError::NotSent(_))), "{alone:?}");
         assert!(alone.unwrap_err().may_retry(Retry::IfNotSent));
         let (next, next_served) = connected(false).await;
-        let (tx, mut rx) = watch::channel(Some(first.clone()));
-        redial_after(tx, first, next);
-        let r = call_again_on_break(&mut rx, WAIT, Retry::IfNotSent, |c| async move {
-            c.signal("cmd_1", 9).await
-        })
-        .await;
+        let r = signal_across(first, next, Retry::IfNotSent).await;
         assert!(r.is_ok(), "{r:?}");
         assert_eq!(first_served.load(AtomicOrdering::SeqCst), 0);
         assert_eq!(next_served.load(AtomicOrdering::SeqCst), 1);
