@@ -12,6 +12,8 @@
 //! `download`, `upload`, `list`, `stat`, `mkdir`, `move`, `remove`), before acting on
 //! it, and dials again as after any break: how tests show that a call whose connection
 //! broke under it is made again on the next one, or answered 503 having changed nothing.
+//! `agent:drop:KIND` arms it from the start, for calls the host makes before any command
+//! could (a create's own, such as its write of `/etc/hosts`).
 //!
 //! `agent:silent`: the agent connects to the host and never says hello, as a guest that
 //! stalls after opening its link would: how tests show that a create whose agent never
@@ -78,8 +80,18 @@ pub fn arm_drop_if_asked(argv: &[String]) -> bool {
 
 /// Whether a request of `kind` is the one `agent:drop` was armed for (it then disarms).
 pub fn drop_before(kind: &str) -> bool {
+    static FROM_START: std::sync::Once = std::sync::Once::new();
     let mut armed = DROP_BEFORE.lock().unwrap_or_else(|e| e.into_inner());
-    if armed.as_deref() == Some(kind) && active("agent:drop") {
+    FROM_START.call_once(|| {
+        if let Some(k) = DROP_KINDS
+            .iter()
+            .find(|k| active(&format!("agent:drop:{k}")))
+        {
+            *armed = Some(k.to_string());
+        }
+    });
+    let on = active("agent:drop") || active(&format!("agent:drop:{kind}"));
+    if armed.as_deref() == Some(kind) && on {
         *armed = None;
         note!("space-agent: failpoint agent:drop: dropping the host connection before a {kind}");
         return true;

@@ -606,18 +606,19 @@ impl Service {
         // was waited for. A sandbox being created holds nothing yet, so it is destroyed and
         // booted once more; what the first boot showed is logged.
         let mut attempt = 1;
-        let conn = loop {
+        loop {
             let progress = match attempt {
                 1 => "booting the sandbox".to_string(),
                 n => format!("booting the sandbox again (attempt {n}: its agent did not dial in)"),
             };
             self.update_op(op_id, |op| op.progress = Some(progress.clone()))
                 .map_err(internal)?;
-            if let Some(conn) = self
+            if self
                 .boot(handle, op_id, &rec, &template.rootfs, attempt)
                 .await?
+                .is_some()
             {
-                break conn;
+                break;
             }
             if attempt == CREATE_ATTEMPTS {
                 return Err(ApiError::new(
@@ -635,8 +636,9 @@ impl Service {
                 .await
                 .map_err(|e| ApiError::new(ErrorCode::RuntimeFailed, error_chain(&e)))?;
             attempt += 1;
-        };
-        network::write_hosts(&conn, &rec.sandbox.network).await?;
+        }
+        // On the connection the boot found, or after a break on the agent's next one.
+        network::write_hosts(&mut handle.agent.subscribe(), &rec.sandbox.network).await?;
         let ready = |rec: &mut SandboxRecord| -> Result<(), ApiError> {
             rec.sandbox.state = transition(rec.sandbox.state, SandboxEvent::Ready)
                 .map_err(|e| ApiError::new(ErrorCode::Conflict, e.to_string()))?;

@@ -11,7 +11,7 @@ use space_api::{ApiError, EgressRule, NetworkSpec};
 use space_core::runtime::{EgressAllow, EgressConfig};
 use space_runtime::net;
 
-use space_agent_host::{AgentConn, AgentError};
+use space_agent_host::{self as agent, AgentConn, AgentError, Retry};
 
 use super::{error_chain, ServiceError};
 
@@ -98,8 +98,17 @@ pub(crate) fn egress_config(n: &NetworkSpec) -> Option<EgressConfig> {
     Some(EgressConfig { allow })
 }
 
-/// Adds the allowlist's hostnames to the sandbox's `/etc/hosts` (once, at create).
-pub(crate) async fn write_hosts(conn: &AgentConn, n: &NetworkSpec) -> Result<(), ApiError> {
+/// The comment above the lines [`write_hosts`] adds.
+const HOSTS_MARK: &str = "# space: the hostnames of network.allow, as resolved at create\n";
+
+/// Adds the allowlist's hostnames to the sandbox's `/etc/hosts` (once, at create, or at
+/// a pool's claim), on the agent connection `rx` holds. A connection that breaks under
+/// it (the agent dials again) does not fail the create: it is done again on the next
+/// one, and a file that already has the lines is left as it is.
+pub(crate) async fn write_hosts(
+    rx: &mut tokio::sync::watch::Receiver<Option<AgentConn>>,
+    n: &NetworkSpec,
+) -> Result<(), ApiError> {
     let mut lines = String::new();
     for r in n.resolved.iter().flatten() {
         if let (Some(host), Some((addr, 32))) = (&r.host, parse_cidr(&r.cidr)) {
@@ -112,20 +121,45 @@ pub(crate) async fn write_hosts(conn: &AgentConn, n: &NetworkSpec) -> Result<(),
     if lines.is_empty() {
         return Ok(());
     }
-    let failed = |what: String| ApiError::new(ErrorCode::NetworkFailed, what);
+    let lines = lines.as_str();
+    agent::call_again_on_break(
+        rx,
+        HOSTS_CONNECT_TIMEOUT,
+        Retry::Repeatable,
+        |conn| async move { add_hosts(&conn, lines).await },
+    )
+    .await
+    .map_err(|e| {
+        ApiError::new(
+            ErrorCode::NetworkFailed,
+            format!(
+                "adding the allowlist's names to /etc/hosts: {}",
+                error_chain(&e)
+            ),
+        )
+    })
+}
+
+/// How long [`write_hosts`] waits for the agent's connection.
+const HOSTS_CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(20);
+
+/// Appends `lines` under [`HOSTS_MARK`] to `/etc/hosts`, unless the mark is there already
+/// (a write whose answer was lost): made twice, the same as once.
+async fn add_hosts(conn: &AgentConn, lines: &str) -> Result<(), AgentError> {
     let mut text = match conn.read_file("/etc/hosts", MAX_HOSTS_FILE).await {
         Ok(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
         // None yet (or none the agent will read): start one.
         Err(AgentError::Refused { .. }) => "127.0.0.1\tlocalhost\n".to_string(),
-        Err(e) => return Err(failed(format!("reading /etc/hosts: {}", error_chain(&e)))),
+        Err(e) => return Err(e),
     };
+    if text.contains(HOSTS_MARK) {
+        return Ok(());
+    }
     if !text.is_empty() && !text.ends_with('\n') {
         text.push('\n');
     }
-    text.push_str("# space: the hostnames of network.allow, as resolved at create\n");
-    text.push_str(&lines);
-    conn.write_file("/etc/hosts", Bytes::from(text))
-        .await
-        .map_err(|e| failed(format!("writing /etc/hosts: {}", error_chain(&e))))?;
+    text.push_str(HOSTS_MARK);
+    text.push_str(lines);
+    conn.write_file("/etc/hosts", Bytes::from(text)).await?;
     Ok(())
 }

@@ -329,11 +329,11 @@ impl Service {
             .await
             .map_err(|e| ServiceError::Internal(e.to_string()))?
             .map_err(|e| ServiceError::Internal(format!("applying the allowlist: {e}")))?;
-            let conn = self
+            let mut rx = self
                 .live_handle(&id)
-                .and_then(|h| h.agent.borrow().clone())
+                .map(|h| h.agent.subscribe())
                 .ok_or_else(|| ServiceError::Internal("its agent went away".into()))?;
-            network::write_hosts(&conn, &want.sandbox.network)
+            network::write_hosts(&mut rx, &want.sandbox.network)
                 .await
                 .map_err(|e| ServiceError::Internal(e.message))?;
         }

@@ -661,6 +661,46 @@ async fn a_claimed_pool_sandbox_gets_the_creates_allowlist(rt: &str) {
     assert_no_network_left(&refills[0]);
 }
 
+/// A create whose agent connection breaks while the allowlist's names are written into
+/// its `/etc/hosts` (`SPACE_FAILPOINT=agent:drop:download`: the agent drops its connection
+/// at its first file read, the create's read of `/etc/hosts`, and dials again) still
+/// succeeds: the write is made again on the next connection, and the names are there once.
+async fn a_create_whose_agent_redials_while_its_hosts_are_written_succeeds(rt: &str) {
+    let inet = Inet::start();
+    let hosts = inet.hosts_file.path().to_string_lossy().into_owned();
+    let s = TestServer::start_with_env(
+        &[],
+        &[
+            (net::HOSTS_FILE_ENV, &hosts),
+            ("SPACE_FAILPOINT", "agent:drop:download"),
+        ],
+    )
+    .await;
+    if !s.runtime_available(rt).await {
+        return;
+    }
+    let mut guard = NetGuard(Vec::new());
+    let sb = create(&s, rt, json!({"mode": "egress", "allow": [ALLOWED_NAME]})).await;
+    guard.0.push(sb.clone());
+    let log = s.log();
+    assert_eq!(
+        log.matches("making it again on the next one").count(),
+        1,
+        "the agent did not drop its connection at the read of /etc/hosts (an agent built \
+         without its test hooks does not: FEATURES=test-hooks scripts/build.sh)\n{log}"
+    );
+    let out = s.sh(&sb, "grep space-test /etc/hosts").await;
+    assert_eq!(
+        out["stdout"],
+        format!("{ALLOWED_IP}\t{ALLOWED_NAME}\n"),
+        "{out}"
+    );
+    let got = probe(&s, &sb, &[("byname", format!("http://{ALLOWED_NAME}/"))]).await;
+    assert_allowed_only(&got, &[("byname", "hello from 203.0.113.10:80")]);
+    s.destroy(&sb).await;
+    assert_no_network_left(&sb);
+}
+
 macro_rules! on_both_runtimes {
     ($($case:ident),+ $(,)?) => {
         mod gvisor {
@@ -678,4 +718,5 @@ on_both_runtimes!(
     egress_allowlist_is_enforced_outside_the_sandbox,
     a_claimed_pool_sandbox_gets_the_creates_allowlist,
     invalid_network_specs_are_refused_and_nothing_is_created,
+    a_create_whose_agent_redials_while_its_hosts_are_written_succeeds,
 );
