@@ -143,8 +143,9 @@ pub(crate) async fn write_hosts(
 /// How long [`write_hosts`] waits for the agent's connection.
 const HOSTS_CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(20);
 
-/// Appends `lines` under [`HOSTS_MARK`] to `/etc/hosts`, unless the mark is there already
-/// (a write whose answer was lost): made twice, the same as once.
+/// Appends `lines` under [`HOSTS_MARK`] to `/etc/hosts`, unless that very block is there
+/// already (a write whose answer was lost): made twice, the same as once. (A template
+/// made from a sandbox may carry another allowlist's block: this one still goes in.)
 async fn add_hosts(conn: &AgentConn, lines: &str) -> Result<(), AgentError> {
     let mut text = match conn.read_file("/etc/hosts", MAX_HOSTS_FILE).await {
         Ok(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
@@ -152,14 +153,14 @@ async fn add_hosts(conn: &AgentConn, lines: &str) -> Result<(), AgentError> {
         Err(AgentError::Refused { .. }) => "127.0.0.1\tlocalhost\n".to_string(),
         Err(e) => return Err(e),
     };
-    if text.contains(HOSTS_MARK) {
+    let block = format!("{HOSTS_MARK}{lines}");
+    if text.contains(&block) {
         return Ok(());
     }
     if !text.is_empty() && !text.ends_with('\n') {
         text.push('\n');
     }
-    text.push_str(HOSTS_MARK);
-    text.push_str(lines);
+    text.push_str(&block);
     conn.write_file("/etc/hosts", Bytes::from(text)).await?;
     Ok(())
 }
