@@ -129,18 +129,33 @@ impl Hostile {
         sb
     }
 
+    /// An upload is made once by the server (its body goes out as it comes), so one whose
+    /// agent connection broke under it is a 503 that changed nothing, and the API says to
+    /// make it again: a starved TCG guest's agent can miss its keepalive and dial in again.
     async fn upload(&self, sb: &str, path: &str, data: Vec<u8>, mode: &str) {
-        let resp = self
-            .s
-            .req(
-                reqwest::Method::PUT,
-                &format!("/v1/sandboxes/{sb}/files?path={path}&mode={mode}"),
-            )
-            .body(data)
-            .send()
-            .await
-            .expect("upload");
-        assert_eq!(resp.status(), 201, "upload {path}");
+        for attempt in 1..=3 {
+            let resp = self
+                .s
+                .req(
+                    reqwest::Method::PUT,
+                    &format!("/v1/sandboxes/{sb}/files?path={path}&mode={mode}"),
+                )
+                .body(data.clone())
+                .send()
+                .await
+                .expect("upload");
+            let status = resp.status().as_u16();
+            if status == 503 && attempt < 3 {
+                let text = resp.text().await.unwrap_or_default();
+                eprintln!(
+                    "NOTE [{}] upload {path} to {sb}: 503, asking again: {text}",
+                    self.rt
+                );
+                continue;
+            }
+            assert_eq!(status, 201, "upload {path}");
+            return;
+        }
     }
 
     /// Runs a command (wait:true); the status and the command.
