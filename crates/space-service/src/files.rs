@@ -20,8 +20,9 @@ use space_api::{
 
 use super::{Service, ServiceError, Tenant};
 
-/// How long a file request waits for a (re)connecting agent.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(20);
+/// How long a file request (or another one-shot call, such as a create's write of
+/// `/etc/hosts`) waits for a (re)connecting agent.
+pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(20);
 /// Longest path accepted (Linux's PATH_MAX).
 pub const MAX_PATH: usize = 4096;
 /// Longest path component (NAME_MAX).

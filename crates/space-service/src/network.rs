@@ -124,7 +124,7 @@ pub(crate) async fn write_hosts(
     let lines = lines.as_str();
     agent::call_again_on_break(
         rx,
-        HOSTS_CONNECT_TIMEOUT,
+        super::files::CONNECT_TIMEOUT,
         Retry::Repeatable,
         |conn| async move { add_hosts(&conn, lines).await },
     )
@@ -139,9 +139,6 @@ pub(crate) async fn write_hosts(
         )
     })
 }
-
-/// How long [`write_hosts`] waits for the agent's connection.
-const HOSTS_CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(20);
 
 /// Appends `lines` under [`HOSTS_MARK`] to `/etc/hosts`, unless that very block is there
 /// already (a write whose answer was lost): made twice, the same as once. (A template
