@@ -171,7 +171,13 @@ fn main() -> ExitCode {
         // Each command narrows its own then (and fails if it cannot).
         note!("space-agent: cannot narrow the capability bounding set: {e}");
     }
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
+    // One thread runs every task (blocking work goes to `spawn_blocking`'s threads). With a
+    // worker per CPU, each chunk of output crossed threads on its way from a command's pipe
+    // to the host socket and each ack crossed back: futex and epoll calls that gVisor makes
+    // expensive. On one thread a streamed MiB cost the sandbox about 1.4 ms of CPU instead
+    // of 2.3 (`benches/commands.rs`, `cat` of a file), and a sandbox's vCPUs are for its
+    // commands anyway.
+    let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
     {
