@@ -189,7 +189,7 @@ impl Attach {
                 Some(Ok(f)) => {
                     // Trailers carry nothing for an attach.
                     if let Ok(d) = f.into_data() {
-                        self.decoder.push(&d);
+                        self.decoder.push_bytes(d);
                     }
                 }
             }

@@ -9,7 +9,7 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use space_agent::protocol::{
     CommandInfo, ExitStatus, Frame, PtySize, Stream, MAX_DATA_CHUNK, RETAIN_MAX_BYTES,
 };
@@ -513,8 +513,8 @@ impl Cmd {
         [st.streams[0].room(), st.streams[1].room()]
     }
 
-    fn push(&self, s: usize, data: &[u8]) {
-        self.lock().push(s, Bytes::copy_from_slice(data));
+    fn push(&self, s: usize, data: Bytes) {
+        self.lock().push(s, data);
         self.bump();
     }
 
@@ -675,7 +675,7 @@ pub async fn pump(
 ) {
     let quiet = &agent.quiet;
     let mut pipes = [stdout, stderr];
-    let mut buf = vec![0u8; MAX_DATA_CHUNK];
+    let mut arena = ReadArena::default();
     // The last read emptied its pipe.
     let mut emptied = false;
 
@@ -713,17 +713,16 @@ pub async fn pump(
             _ = quiet.entered() => None,
         };
         let Some((s, r)) = ready else { continue };
-        let read = match (&pipes[s], r) {
+        let (read, asked) = match (&pipes[s], r) {
             (Some(p), Ok(())) => {
-                let n = room[s].min(MAX_DATA_CHUNK);
-                p.try_read(&mut buf[..n])
+                let into = arena.space(room[s].min(MAX_DATA_CHUNK));
+                (p.try_read(into), into.len())
             }
-            _ => Read::Eof,
+            _ => (Read::Eof, 0),
         };
         match read {
             Read::Data(n) => {
-                cmd.push(s, &buf[..n]);
-                let asked = room[s].min(MAX_DATA_CHUNK);
+                cmd.push(s, arena.take(n, asked));
                 emptied = n < asked && n >= COALESCE_FROM;
             }
             Read::Eof => pipes[s] = None,
@@ -745,10 +744,11 @@ pub async fn pump(
                     _ = cmd.forgotten.cancelled() => return,
                 }
             }
-            let n = room.min(MAX_DATA_CHUNK).min(DRAIN_LIMIT - drained);
-            match p.read_now(&mut buf[..n]) {
+            let into = arena.space(room.min(MAX_DATA_CHUNK).min(DRAIN_LIMIT - drained));
+            let asked = into.len();
+            match p.read_now(into) {
                 Read::Data(n) => {
-                    cmd.push(s, &buf[..n]);
+                    cmd.push(s, arena.take(n, asked));
                     drained += n;
                 }
                 Read::Eof | Read::Again => break,
@@ -756,6 +756,43 @@ pub async fn pump(
         }
     }
     cmd.finish();
+}
+
+/// What the pump reads a command's output into. Each read's bytes are split off it and
+/// kept as they are (no copy on their way to the host); a new arena is made when the last
+/// is used up. A command's first arena is small ([`ARENA_FIRST`]); once a read fills what
+/// it asked for (a busy stream) arenas are [`ARENA_BYTES`], so a read can take a whole
+/// [`MAX_DATA_CHUNK`]. A kept chunk holds its arena's memory until it is acknowledged, so a
+/// command holds at most its retained bytes and one arena more.
+#[derive(Default)]
+struct ReadArena {
+    buf: BytesMut,
+    busy: bool,
+}
+
+/// A command's first arena: most commands write less than this in all.
+const ARENA_FIRST: usize = 64 << 10;
+/// Arenas of a busy stream: a few chunks each.
+const ARENA_BYTES: usize = 2 * MAX_DATA_CHUNK;
+
+impl ReadArena {
+    /// Room for a read of at most `ask` bytes (less where the arena has less left).
+    fn space(&mut self, ask: usize) -> &mut [u8] {
+        if self.buf.is_empty() {
+            let size = if self.busy { ARENA_BYTES } else { ARENA_FIRST };
+            self.buf = BytesMut::zeroed(size);
+        }
+        let n = ask.min(self.buf.len());
+        &mut self.buf[..n]
+    }
+
+    /// The `n` bytes a read of `asked` put at the start of [`ReadArena::space`].
+    fn take(&mut self, n: usize, asked: usize) -> Bytes {
+        if n == asked {
+            self.busy = true;
+        }
+        self.buf.split_to(n).freeze()
+    }
 }
 
 /// Takes a command's pipes out of the runtime's epoll until the agent is woken: output
@@ -837,9 +874,12 @@ pub async fn send_output(
                 return;
             }
             Step::Send(f) => {
-                tokio::select! {
-                    r = tx.send(f.to_bytes()) => if r.is_err() { return },
-                    _ = cancel.cancelled() => return,
+                let (head, data) = f.to_parts();
+                for part in std::iter::once(head).chain(data) {
+                    tokio::select! {
+                        r = tx.send(part) => if r.is_err() { return },
+                        _ = cancel.cancelled() => return,
+                    }
                 }
             }
             Step::Last(f) => {
@@ -871,6 +911,40 @@ pub fn stream_name(s: Stream) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_read_arena_hands_out_what_was_read_and_grows_for_a_busy_stream() {
+        let mut a = ReadArena::default();
+        // A command's first reads share a small arena.
+        let room = a.space(MAX_DATA_CHUNK);
+        assert_eq!(room.len(), ARENA_FIRST);
+        room[..3].copy_from_slice(b"one");
+        let asked = room.len();
+        let one = a.take(3, asked);
+        let room = a.space(MAX_DATA_CHUNK);
+        assert_eq!(room.len(), ARENA_FIRST - 3);
+        room[..3].copy_from_slice(b"two");
+        let asked = room.len();
+        let two = a.take(3, asked);
+        assert_eq!((&one[..], &two[..]), (&b"one"[..], &b"two"[..]));
+        // A read that fills what it asked for marks the stream busy: once this arena is
+        // used up, the next is large enough for whole chunks.
+        let room = a.space(MAX_DATA_CHUNK);
+        room.fill(7);
+        let asked = room.len();
+        let rest = a.take(asked, asked);
+        assert!(rest.iter().all(|b| *b == 7));
+        let room = a.space(MAX_DATA_CHUNK);
+        assert_eq!(room.len(), MAX_DATA_CHUNK);
+        let room = a.space(100);
+        assert_eq!(room.len(), 100, "never more than asked");
+        room.copy_from_slice(&[9; 100]);
+        let nine = a.take(100, 100);
+        // What was handed out before is untouched by later reads.
+        assert_eq!((&one[..], &two[..]), (&b"one"[..], &b"two"[..]));
+        assert!(rest.iter().all(|b| *b == 7));
+        assert_eq!(&nine[..], &[9; 100][..]);
+    }
 
     fn data(f: &Frame) -> (u8, u64, Vec<u8>) {
         match f {

@@ -29,9 +29,10 @@ use crate::spawn;
 
 pub type Body = BoxBody<Bytes, Infallible>;
 
-/// Encoded frames waiting for h2 send capacity, per attach. Small, so output
-/// stays in the retained queue (where acks can drop it) rather than here.
-const ATTACH_QUEUE: usize = 2;
+/// Encoded frame parts waiting for h2 send capacity, per attach (an output frame is two:
+/// its header and its data, see [`Frame::to_parts`]). Small, so output stays in the
+/// retained queue (where acks can drop it) rather than here.
+const ATTACH_QUEUE: usize = 4;
 
 /// Longest timeout honoured; anything longer is the same as this.
 const MAX_TIMEOUT: Duration = Duration::from_secs(10 * 365 * 24 * 3600);

@@ -79,7 +79,7 @@ pub const MAX_HANDSHAKE_BYTES: usize = 4096;
 /// Largest frame payload either side accepts.
 pub const MAX_FRAME_PAYLOAD: usize = 1 << 20;
 /// Largest data chunk the agent puts in one output frame.
-pub const MAX_DATA_CHUNK: usize = 256 * 1024;
+pub const MAX_DATA_CHUNK: usize = 512 * 1024;
 /// Unacknowledged output the agent keeps per stream before it stops reading the pipe.
 pub const RETAIN_MAX_BYTES: usize = 1 << 20;
 /// Largest JSON request body accepted by the agent.
@@ -400,6 +400,25 @@ impl Frame {
         }
     }
 
+    /// The frame as buffers to send one after the other: an output frame's data is not
+    /// copied, it follows its header as a second buffer.
+    pub fn to_parts(&self) -> (Bytes, Option<Bytes>) {
+        match self {
+            Frame::Stdout { offset, data } | Frame::Stderr { offset, data } => {
+                let t = if matches!(self, Frame::Stdout { .. }) {
+                    T_STDOUT
+                } else {
+                    T_STDERR
+                };
+                let mut head = BytesMut::new();
+                header(&mut head, t, 8 + data.len());
+                head.put_u64(*offset);
+                (head.freeze(), Some(data.clone()))
+            }
+            _ => (self.to_bytes(), None),
+        }
+    }
+
     /// The frame as one buffer.
     pub fn to_bytes(&self) -> Bytes {
         let mut out = BytesMut::new();
@@ -415,11 +434,16 @@ fn header(out: &mut BytesMut, t: u8, len: usize) {
     out.put_u32(u32::try_from(len).unwrap_or(u32::MAX));
 }
 
-/// Incremental decoder: feed bytes with [`FrameDecoder::push`], take frames with
-/// [`FrameDecoder::next_frame`]. Never buffers more than one frame plus one chunk.
+/// Incremental decoder: feed bytes with [`FrameDecoder::push_bytes`] (or
+/// [`FrameDecoder::push`]), take frames with [`FrameDecoder::next_frame`]. Never buffers
+/// more than one frame plus one chunk. The bytes pushed are kept as they came: a payload that
+/// lies within one pushed chunk comes out as a slice of it, not a copy (an output frame's data
+/// travels as a chunk of its own, after its header).
 #[derive(Debug, Default)]
 pub struct FrameDecoder {
-    buf: BytesMut,
+    chunks: std::collections::VecDeque<Bytes>,
+    /// Bytes in `chunks`.
+    len: usize,
 }
 
 impl FrameDecoder {
@@ -427,22 +451,74 @@ impl FrameDecoder {
         Self::default()
     }
 
+    /// Feeds a copy of `data`.
     pub fn push(&mut self, data: &[u8]) {
-        self.buf.extend_from_slice(data);
+        self.push_bytes(Bytes::copy_from_slice(data));
+    }
+
+    /// Feeds `data` without copying it.
+    pub fn push_bytes(&mut self, data: Bytes) {
+        if !data.is_empty() {
+            self.len += data.len();
+            self.chunks.push_back(data);
+        }
     }
 
     /// Bytes waiting that do not yet make a whole frame.
     pub fn pending(&self) -> usize {
-        self.buf.len()
+        self.len
+    }
+
+    /// The first `N` bytes waiting, without taking them; `len` must be at least `N`.
+    fn peek<const N: usize>(&self) -> [u8; N] {
+        let mut out = [0u8; N];
+        let mut at = 0;
+        for c in &self.chunks {
+            let k = (N - at).min(c.len());
+            out[at..at + k].copy_from_slice(&c[..k]);
+            at += k;
+            if at == N {
+                break;
+            }
+        }
+        out
+    }
+
+    /// Takes the first `n` bytes waiting (`len` must be at least `n`): a slice of the first
+    /// chunk where it holds them all, else a copy gathered across chunks.
+    fn take(&mut self, n: usize) -> Bytes {
+        self.len -= n;
+        if let Some(front) = self.chunks.front_mut() {
+            if front.len() >= n {
+                let out = front.split_to(n);
+                if front.is_empty() {
+                    self.chunks.pop_front();
+                }
+                return out;
+            }
+        }
+        let mut out = BytesMut::with_capacity(n);
+        while out.len() < n {
+            let Some(front) = self.chunks.front_mut() else {
+                break;
+            };
+            let k = (n - out.len()).min(front.len());
+            out.extend_from_slice(&front[..k]);
+            front.advance(k);
+            if front.is_empty() {
+                self.chunks.pop_front();
+            }
+        }
+        out.freeze()
     }
 
     /// The next whole frame, `Ok(None)` when more bytes are needed.
     pub fn next_frame(&mut self) -> Result<Option<Frame>, FrameError> {
-        if self.buf.len() < FRAME_HEADER_LEN {
+        if self.len < FRAME_HEADER_LEN {
             return Ok(None);
         }
-        let t = self.buf[0];
-        let len = u32::from_be_bytes([self.buf[1], self.buf[2], self.buf[3], self.buf[4]]) as usize;
+        let [t, l0, l1, l2, l3] = self.peek::<FRAME_HEADER_LEN>();
+        let len = u32::from_be_bytes([l0, l1, l2, l3]) as usize;
         if !matches!(
             t,
             T_STDOUT | T_STDERR | T_EXIT | T_ACK | T_STDIN | T_STDIN_EOF | T_DONE | T_RESIZE
@@ -452,29 +528,27 @@ impl FrameDecoder {
         if len > MAX_FRAME_PAYLOAD {
             return Err(FrameError::TooLarge(len));
         }
-        if self.buf.len() < FRAME_HEADER_LEN + len {
+        if self.len < FRAME_HEADER_LEN + len {
             return Ok(None);
         }
-        self.buf.advance(FRAME_HEADER_LEN);
-        let mut payload = self.buf.split_to(len).freeze();
-        let frame = match t {
-            T_STDOUT | T_STDERR => {
-                if payload.len() < 8 {
-                    return Err(FrameError::Malformed(t));
-                }
-                let offset = payload.get_u64();
-                if t == T_STDOUT {
-                    Frame::Stdout {
-                        offset,
-                        data: payload,
-                    }
-                } else {
-                    Frame::Stderr {
-                        offset,
-                        data: payload,
-                    }
-                }
+        self.take(FRAME_HEADER_LEN);
+        if matches!(t, T_STDOUT | T_STDERR) {
+            if len < 8 {
+                self.take(len);
+                return Err(FrameError::Malformed(t));
             }
+            // The offset and the data apart, so that data sent as a chunk of its own
+            // comes out as that chunk.
+            let offset = self.take(8).get_u64();
+            let data = self.take(len - 8);
+            return Ok(Some(if t == T_STDOUT {
+                Frame::Stdout { offset, data }
+            } else {
+                Frame::Stderr { offset, data }
+            }));
+        }
+        let mut payload = self.take(len);
+        let frame = match t {
             T_EXIT => {
                 Frame::Exit(serde_json::from_slice(&payload).map_err(|_| FrameError::Malformed(t))?)
             }
@@ -573,6 +647,81 @@ mod tests {
         roundtrip(Frame::StdinEof);
         roundtrip(Frame::Done);
         roundtrip(Frame::Resize(PtySize { rows: 24, cols: 80 }));
+    }
+
+    #[test]
+    fn frames_sent_in_parts_decode_as_sent_and_their_data_is_not_copied() {
+        let frames = [
+            Frame::Stdout {
+                offset: 7,
+                data: Bytes::from(vec![5u8; 300_000]),
+            },
+            Frame::Stderr {
+                offset: 1 << 40,
+                data: Bytes::from_static(b"err"),
+            },
+            Frame::Stdout {
+                offset: 9,
+                data: Bytes::new(),
+            },
+            Frame::Ack {
+                stdout: 1,
+                stderr: 2,
+            },
+            Frame::StdinEof,
+        ];
+        let mut d = FrameDecoder::new();
+        let mut sent = Vec::new();
+        for f in &frames {
+            let (head, data) = f.to_parts();
+            // The parts are the frame's one-buffer encoding.
+            let mut joined = head.to_vec();
+            joined.extend_from_slice(data.as_deref().unwrap_or_default());
+            assert_eq!(joined, f.to_bytes().to_vec(), "{f:?}");
+            d.push_bytes(head);
+            if let Some(data) = data {
+                sent.push(data.as_ptr());
+                d.push_bytes(data);
+            }
+        }
+        for f in &frames {
+            let got = d.next_frame().unwrap().unwrap();
+            assert_eq!(&got, f);
+            if let Frame::Stdout { data, .. } | Frame::Stderr { data, .. } = &got {
+                if !data.is_empty() {
+                    assert!(
+                        sent.contains(&data.as_ptr()),
+                        "the data of {f:?} was copied"
+                    );
+                }
+            }
+        }
+        assert_eq!(d.next_frame(), Ok(None));
+        assert_eq!(d.pending(), 0);
+
+        // Two whole frames in one chunk, then a frame split inside its offset: each decoded
+        // once all of it is there, the split one gathered.
+        let a = Frame::Stdout {
+            offset: 1,
+            data: Bytes::from_static(b"ab"),
+        };
+        let b = Frame::Stderr {
+            offset: 3,
+            data: Bytes::from_static(b"cd"),
+        };
+        let mut both = a.to_bytes().to_vec();
+        both.extend_from_slice(&b.to_bytes());
+        let c = b.to_bytes();
+        let mut d = FrameDecoder::new();
+        d.push_bytes(Bytes::from(both));
+        d.push_bytes(c.slice(..9));
+        assert_eq!(d.next_frame(), Ok(Some(a)));
+        assert_eq!(d.next_frame(), Ok(Some(b.clone())));
+        assert_eq!(d.next_frame(), Ok(None));
+        assert_eq!(d.pending(), 9);
+        d.push_bytes(c.slice(9..));
+        assert_eq!(d.next_frame(), Ok(Some(b)));
+        assert_eq!(d.pending(), 0);
     }
 
     #[test]
