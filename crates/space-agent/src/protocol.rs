@@ -364,17 +364,16 @@ pub enum FrameError {
 impl Frame {
     /// Appends the encoded frame to `out`.
     pub fn encode(&self, out: &mut BytesMut) {
+        if let Frame::Stdout { data, .. } | Frame::Stderr { data, .. } = self {
+            out.reserve(FRAME_HEADER_LEN + 8 + data.len());
+        }
+        if let Some(data) = self.output_head(out) {
+            out.put_slice(data);
+            return;
+        }
         match self {
-            Frame::Stdout { offset, data } | Frame::Stderr { offset, data } => {
-                let t = if matches!(self, Frame::Stdout { .. }) {
-                    T_STDOUT
-                } else {
-                    T_STDERR
-                };
-                header(out, t, 8 + data.len());
-                out.put_u64(*offset);
-                out.put_slice(data);
-            }
+            // Written whole above.
+            Frame::Stdout { .. } | Frame::Stderr { .. } => {}
             Frame::Exit(status) => {
                 // Serialising a plain struct cannot fail.
                 let json = serde_json::to_vec(status).unwrap_or_default();
@@ -400,22 +399,26 @@ impl Frame {
         }
     }
 
+    /// Appends an output frame's header (type, length and offset) to `out` and returns its
+    /// data; `None` (and nothing appended) for any other frame.
+    fn output_head(&self, out: &mut BytesMut) -> Option<&Bytes> {
+        let (t, offset, data) = match self {
+            Frame::Stdout { offset, data } => (T_STDOUT, offset, data),
+            Frame::Stderr { offset, data } => (T_STDERR, offset, data),
+            _ => return None,
+        };
+        header(out, t, 8 + data.len());
+        out.put_u64(*offset);
+        Some(data)
+    }
+
     /// The frame as buffers to send one after the other: an output frame's data is not
     /// copied, it follows its header as a second buffer.
     pub fn to_parts(&self) -> (Bytes, Option<Bytes>) {
-        match self {
-            Frame::Stdout { offset, data } | Frame::Stderr { offset, data } => {
-                let t = if matches!(self, Frame::Stdout { .. }) {
-                    T_STDOUT
-                } else {
-                    T_STDERR
-                };
-                let mut head = BytesMut::new();
-                header(&mut head, t, 8 + data.len());
-                head.put_u64(*offset);
-                (head.freeze(), Some(data.clone()))
-            }
-            _ => (self.to_bytes(), None),
+        let mut head = BytesMut::with_capacity(FRAME_HEADER_LEN + 8);
+        match self.output_head(&mut head) {
+            Some(data) => (head.freeze(), Some(data.clone())),
+            None => (self.to_bytes(), None),
         }
     }
 
@@ -427,8 +430,8 @@ impl Frame {
     }
 }
 
+/// Appends a frame's type and payload length.
 fn header(out: &mut BytesMut, t: u8, len: usize) {
-    out.reserve(FRAME_HEADER_LEN + len);
     out.put_u8(t);
     // Payloads are bounded by MAX_FRAME_PAYLOAD, far below u32::MAX.
     out.put_u32(u32::try_from(len).unwrap_or(u32::MAX));
