@@ -439,15 +439,23 @@ fn header(out: &mut BytesMut, t: u8, len: usize) {
 
 /// Incremental decoder: feed bytes with [`FrameDecoder::push_bytes`] (or
 /// [`FrameDecoder::push`]), take frames with [`FrameDecoder::next_frame`]. Never buffers
-/// more than one frame plus one chunk. The bytes pushed are kept as they came: a payload that
-/// lies within one pushed chunk comes out as a slice of it, not a copy (an output frame's data
-/// travels as a chunk of its own, after its header).
+/// more than one frame plus one chunk. A chunk of at least [`KEEP_CHUNK_FROM`] bytes is kept as
+/// it came, and a payload that lies within it comes out as a slice of it, not a copy (an
+/// output frame's data travels as a chunk of its own, after its header). Smaller chunks are
+/// copied together, so a peer that sends its bytes one at a time makes no more pieces to
+/// hold than one that sends them whole.
 #[derive(Debug, Default)]
 pub struct FrameDecoder {
+    /// Kept chunks, each of at least [`KEEP_CHUNK_FROM`] bytes or followed by one that is.
     chunks: std::collections::VecDeque<Bytes>,
-    /// Bytes in `chunks`.
+    /// Small chunks copied together; they come after `chunks`.
+    tail: BytesMut,
+    /// Bytes in `chunks` and `tail`.
     len: usize,
 }
+
+/// Chunks this large are kept as they came rather than copied (see [`FrameDecoder`]).
+pub const KEEP_CHUNK_FROM: usize = 4096;
 
 impl FrameDecoder {
     pub fn new() -> Self {
@@ -456,15 +464,20 @@ impl FrameDecoder {
 
     /// Feeds a copy of `data`.
     pub fn push(&mut self, data: &[u8]) {
-        self.push_bytes(Bytes::copy_from_slice(data));
+        self.len += data.len();
+        self.tail.extend_from_slice(data);
     }
 
-    /// Feeds `data` without copying it.
+    /// Feeds `data`, without copying it where it is [`KEEP_CHUNK_FROM`] bytes or more.
     pub fn push_bytes(&mut self, data: Bytes) {
-        if !data.is_empty() {
-            self.len += data.len();
-            self.chunks.push_back(data);
+        if data.len() < KEEP_CHUNK_FROM {
+            return self.push(&data);
         }
+        if !self.tail.is_empty() {
+            self.chunks.push_back(self.tail.split().freeze());
+        }
+        self.len += data.len();
+        self.chunks.push_back(data);
     }
 
     /// Bytes waiting that do not yet make a whole frame.
@@ -476,7 +489,7 @@ impl FrameDecoder {
     fn peek<const N: usize>(&self) -> [u8; N] {
         let mut out = [0u8; N];
         let mut at = 0;
-        for c in &self.chunks {
+        for c in self.chunks.iter().map(|c| &c[..]).chain([&self.tail[..]]) {
             let k = (N - at).min(c.len());
             out[at..at + k].copy_from_slice(&c[..k]);
             at += k;
@@ -488,24 +501,29 @@ impl FrameDecoder {
     }
 
     /// Takes the first `n` bytes waiting (`len` must be at least `n`): a slice of the first
-    /// chunk where it holds them all, else a copy gathered across chunks.
+    /// piece where it holds them all, else a copy gathered across pieces.
     fn take(&mut self, n: usize) -> Bytes {
         self.len -= n;
-        if let Some(front) = self.chunks.front_mut() {
-            if front.len() >= n {
+        match self.chunks.front_mut() {
+            None => return self.tail.split_to(n.min(self.tail.len())).freeze(),
+            Some(front) if front.len() >= n => {
                 let out = front.split_to(n);
                 if front.is_empty() {
                     self.chunks.pop_front();
                 }
                 return out;
             }
+            Some(_) => {}
         }
         let mut out = BytesMut::with_capacity(n);
         while out.len() < n {
+            let want = n - out.len();
             let Some(front) = self.chunks.front_mut() else {
+                let k = want.min(self.tail.len());
+                out.extend_from_slice(&self.tail.split_to(k));
                 break;
             };
-            let k = (n - out.len()).min(front.len());
+            let k = want.min(front.len());
             out.extend_from_slice(&front[..k]);
             front.advance(k);
             if front.is_empty() {
@@ -661,6 +679,11 @@ mod tests {
             },
             Frame::Stderr {
                 offset: 1 << 40,
+                data: Bytes::from(vec![6u8; KEEP_CHUNK_FROM]),
+            },
+            // Small data is copied (see below), and decodes all the same.
+            Frame::Stderr {
+                offset: 3,
                 data: Bytes::from_static(b"err"),
             },
             Frame::Stdout {
@@ -691,7 +714,7 @@ mod tests {
             let got = d.next_frame().unwrap().unwrap();
             assert_eq!(&got, f);
             if let Frame::Stdout { data, .. } | Frame::Stderr { data, .. } = &got {
-                if !data.is_empty() {
+                if data.len() >= KEEP_CHUNK_FROM {
                     assert!(
                         sent.contains(&data.as_ptr()),
                         "the data of {f:?} was copied"
@@ -725,6 +748,35 @@ mod tests {
         d.push_bytes(c.slice(9..));
         assert_eq!(d.next_frame(), Ok(Some(b)));
         assert_eq!(d.pending(), 0);
+    }
+
+    #[test]
+    fn a_frame_sent_a_byte_at_a_time_is_held_in_few_pieces() {
+        // The largest frame a peer may send, in one-byte chunks: the decoder holds what it
+        // has not decoded yet in one buffer, not in a million pieces.
+        let f = Frame::Stdout {
+            offset: 0,
+            data: Bytes::from(vec![1u8; MAX_FRAME_PAYLOAD - 8]),
+        };
+        let bytes = f.to_bytes();
+        let mut d = FrameDecoder::new();
+        for i in 0..bytes.len() {
+            d.push_bytes(bytes.slice(i..i + 1));
+            assert!(d.chunks.is_empty(), "a one-byte chunk was kept apart");
+        }
+        assert_eq!(d.next_frame(), Ok(Some(f)));
+        assert_eq!(d.pending(), 0);
+        // Small and large chunks mixed: each kept piece is large or followed by one that is.
+        let mut d = FrameDecoder::new();
+        for i in 0..100 {
+            d.push_bytes(Bytes::from(vec![0u8; 1 + i % 3]));
+            d.push_bytes(Bytes::from(vec![0u8; KEEP_CHUNK_FROM]));
+        }
+        assert!(d.chunks.len() <= 200);
+        let kept: Vec<usize> = d.chunks.iter().map(Bytes::len).collect();
+        for w in kept.windows(2) {
+            assert!(w[0] >= KEEP_CHUNK_FROM || w[1] >= KEEP_CHUNK_FROM, "{w:?}");
+        }
     }
 
     #[test]
