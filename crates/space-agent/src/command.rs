@@ -772,7 +772,7 @@ struct ReadArena {
 
 /// A command's first arena: most commands write less than this in all.
 const ARENA_FIRST: usize = 64 << 10;
-/// Arenas of a busy stream: a few chunks each.
+/// Arenas of a busy stream: two whole chunks each.
 const ARENA_BYTES: usize = 2 * MAX_DATA_CHUNK;
 
 impl ReadArena {
