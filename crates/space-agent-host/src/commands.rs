@@ -111,20 +111,43 @@ impl AgentConn {
         stdout: u64,
         stderr: u64,
     ) -> Result<Attach, AgentError> {
+        self.open_attach(command_id, stdout, stderr, false).await
+    }
+
+    /// [`AgentConn::attach`] for input with offsets ([`AgentConn::input_offsets`] must
+    /// hold): the agent's first frame is [`Frame::InputTaken`], how much of the command's
+    /// input it has taken, and it sends another each time it takes more. Input then goes
+    /// as [`Frame::StdinAt`] and [`Frame::StdinEofAt`].
+    pub async fn attach_with_input(
+        &self,
+        command_id: &str,
+        stdout: u64,
+        stderr: u64,
+    ) -> Result<Attach, AgentError> {
+        self.open_attach(command_id, stdout, stderr, true).await
+    }
+
+    async fn open_attach(
+        &self,
+        command_id: &str,
+        stdout: u64,
+        stderr: u64,
+        input: bool,
+    ) -> Result<Attach, AgentError> {
         let (tx, rx) = mpsc::channel::<Bytes>(HOST_FRAME_QUEUE);
         let body = body_from_stream(ReceiverStream::new(rx).map(Ok::<_, BodyError>));
         let path = format!(
-            "/v1/commands/{}/attach?stdout={stdout}&stderr={stderr}",
-            encode_segment(command_id)
+            "/v1/commands/{}/attach?stdout={stdout}&stderr={stderr}{}",
+            encode_segment(command_id),
+            if input { "&input=1" } else { "" }
         );
         let resp = self
             .request(Method::POST, &path, None, body, Some(REQUEST_TIMEOUT))
             .await?;
         let resp = success(resp).await?;
-        Ok(Attach::new(
-            tx,
-            resp.into_body().map_err(BodyError::from).boxed_unsync(),
-        ))
+        let mut attach = Attach::new(tx, resp.into_body().map_err(BodyError::from).boxed_unsync());
+        attach.reports_input = input;
+        Ok(attach)
     }
 }
 
@@ -133,6 +156,8 @@ pub struct Attach {
     host: Option<mpsc::Sender<Bytes>>,
     body: UnsyncBoxBody<Bytes, BodyError>,
     decoder: FrameDecoder,
+    /// Opened with [`AgentConn::attach_with_input`]: [`Frame::InputTaken`] may come.
+    reports_input: bool,
 }
 
 impl Attach {
@@ -141,6 +166,7 @@ impl Attach {
             host: Some(host),
             body,
             decoder: FrameDecoder::new(),
+            reports_input: false,
         }
     }
 
@@ -168,7 +194,8 @@ impl Attach {
         self.host = None;
     }
 
-    /// The next agent frame ([`Frame::Stdout`], [`Frame::Stderr`], [`Frame::Exit`]);
+    /// The next agent frame ([`Frame::Stdout`], [`Frame::Stderr`], [`Frame::Exit`], and
+    /// [`Frame::InputTaken`] on an attach with input);
     /// `None` when the stream ended at a frame boundary. Cancel-safe: nothing read is
     /// lost when the future is dropped. A host-only frame or a malformed one is a
     /// [`AgentError::Protocol`]; a stream that broke, or ended inside a frame, is
@@ -202,6 +229,7 @@ impl Attach {
             Ok(Some(f @ (Frame::Stdout { .. } | Frame::Stderr { .. } | Frame::Exit(_)))) => {
                 Ok(Some(f))
             }
+            Ok(Some(f @ Frame::InputTaken(_))) if self.reports_input => Ok(Some(f)),
             Ok(Some(_)) => Err(AgentError::Protocol(
                 "the agent sent a host-only frame".into(),
             )),

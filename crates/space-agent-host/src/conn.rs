@@ -68,6 +68,9 @@ pub struct AgentConn {
     sender: SendRequest<HostBody>,
     generation: u64,
     agent_version: Arc<str>,
+    /// The agent takes input with offsets and reports what it took
+    /// ([`space_agent::protocol::FEATURE_INPUT_OFFSETS`]).
+    input_offsets: bool,
     /// Cancelling it closes the connection.
     close: CancellationToken,
     /// Cancelled once the connection has ended, however it ended.
@@ -113,6 +116,7 @@ impl AgentConn {
             generation,
             // Bounded: the hello line it came in is.
             agent_version: Arc::from(crate::error::truncate(agent_version, 128)),
+            input_offsets: false,
             close: CancellationToken::new(),
             ended: CancellationToken::new(),
         };
@@ -144,6 +148,20 @@ impl AgentConn {
     /// The version the agent gave in its hello (at most 128 bytes).
     pub fn agent_version(&self) -> &str {
         &self.agent_version
+    }
+
+    /// Takes note of the features the agent named in its hello; unknown ones are ignored.
+    pub fn with_features(mut self, features: &[String]) -> AgentConn {
+        self.input_offsets = features
+            .iter()
+            .any(|f| f == space_agent::protocol::FEATURE_INPUT_OFFSETS);
+        self
+    }
+
+    /// Whether the agent takes input with offsets and reports what it took
+    /// ([`AgentConn::attach_with_input`]); agents from before it do not.
+    pub fn input_offsets(&self) -> bool {
+        self.input_offsets
     }
 
     /// Closes the connection now, as a crashing host would; the agent will dial again.

@@ -223,17 +223,17 @@ fn accepted_agent(
     }
     let (id, conn) = (sandbox_id.to_owned(), conn.clone());
     // A task of its own: the connection outlives the listener.
-    tokio::spawn(async move { serve_connection(stream, &hello.agent_version, &id, conn).await });
+    tokio::spawn(async move { serve_connection(stream, &hello, &id, conn).await });
 }
 
 async fn serve_connection(
     stream: tokio::net::UnixStream,
-    agent_version: &str,
+    hello: &Hello,
     sandbox_id: &str,
     conn: watch::Sender<Option<AgentConn>>,
 ) {
-    let agent = match AgentConn::start(stream, sandbox_id, agent_version).await {
-        Ok(c) => c,
+    let agent = match AgentConn::start(stream, sandbox_id, &hello.agent_version).await {
+        Ok(c) => c.with_features(&hello.features),
         Err(e) => {
             tracing::warn!(sandbox = %sandbox_id, error = %error_chain(&e), "HTTP/2 handshake with the agent failed");
             return;
@@ -356,6 +356,7 @@ mod tests {
             sandbox_id: id.into(),
             token: token.into(),
             agent_version: "1".into(),
+            features: Vec::new(),
         })
         .unwrap();
         v.push(b'\n');

@@ -85,6 +85,7 @@ pub async fn accept(
     let (stream, hello) = accept_hello(listener, sandbox_id, token).await?;
     let conn = AgentConn::start(stream, sandbox_id, &hello.agent_version)
         .await
-        .map_err(AcceptError::Http2)?;
+        .map_err(AcceptError::Http2)?
+        .with_features(&hello.features);
     Ok((conn, hello))
 }

@@ -218,6 +218,9 @@ struct State {
     tag: Option<u64>,
     /// Process groups of its processes that a kill found (see `tree::kill_all`).
     known_groups: Vec<i32>,
+    /// Positions of its input taken so far: each stdin byte and each end-of-file is one
+    /// (see [`Frame::StdinAt`]).
+    input_taken: u64,
 }
 
 impl State {
@@ -290,6 +293,9 @@ pub struct Cmd {
     group: std::sync::OnceLock<crate::cgroup::Group>,
     /// Cancelled when the host forgets the command: its tasks stop.
     pub forgotten: CancellationToken,
+    /// Held while input is taken, so that an attach that supersedes another takes its
+    /// input after whatever the old one was taking (see [`take_input`]).
+    input_gate: tokio::sync::Mutex<()>,
 }
 
 impl Cmd {
@@ -304,6 +310,7 @@ impl Cmd {
             ended: CancellationToken::new(),
             group: std::sync::OnceLock::new(),
             forgotten: CancellationToken::new(),
+            input_gate: tokio::sync::Mutex::new(()),
         }
     }
 
@@ -451,6 +458,16 @@ impl Cmd {
         } else {
             st.stdin = None;
             None
+        }
+    }
+
+    /// Counts `n` more positions of input as taken, for the attach to report.
+    pub fn note_input_taken(&self, n: u64) {
+        if n > 0 {
+            let mut st = self.lock();
+            st.input_taken = st.input_taken.saturating_add(n);
+            drop(st);
+            self.bump();
         }
     }
 
@@ -843,6 +860,7 @@ fn register(pipes: &mut [Option<Source>; 2]) {
 pub async fn send_output(
     cmd: Arc<Cmd>,
     mut cursor: [u64; 2],
+    report_input: bool,
     tx: mpsc::Sender<Bytes>,
     cancel: CancellationToken,
 ) {
@@ -852,20 +870,28 @@ pub async fn send_output(
         Wait,
     }
     let mut changed = cmd.changed.subscribe();
+    // The input taken that this attach last reported; the first frame reports it.
+    let mut reported = None;
     loop {
         changed.borrow_and_update();
         let step = {
             let st = cmd.lock();
-            match st.next_frame(&mut cursor) {
-                Some(f) => Step::Send(f),
-                None => match &st.exit {
-                    Some(exit)
-                        if cursor[0] >= st.streams[0].end && cursor[1] >= st.streams[1].end =>
-                    {
-                        Step::Last(Frame::Exit(exit.clone()))
-                    }
-                    _ => Step::Wait,
-                },
+            if report_input && reported != Some(st.input_taken) {
+                // Before any Exit: the host hears of all the input taken before the end.
+                reported = Some(st.input_taken);
+                Step::Send(Frame::InputTaken(st.input_taken))
+            } else {
+                match st.next_frame(&mut cursor) {
+                    Some(f) => Step::Send(f),
+                    None => match &st.exit {
+                        Some(exit)
+                            if cursor[0] >= st.streams[0].end && cursor[1] >= st.streams[1].end =>
+                        {
+                            Step::Last(Frame::Exit(exit.clone()))
+                        }
+                        _ => Step::Wait,
+                    },
+                }
             }
         };
         match step {
@@ -896,6 +922,64 @@ pub async fn send_output(
                     _ = cancel.cancelled() => return,
                 }
             }
+        }
+    }
+}
+
+/// Takes input at `offset` of `cmd`'s input (`data`, or an end-of-file for `None`; with no
+/// offset, a host's from before offsets, wherever the input is): queues it for the command
+/// (or drops it where the command no longer reads its stdin) and counts it taken. What was
+/// taken already is skipped, so a host that resends after a break delivers each position
+/// once. An offset past what was taken is a gap: input the host no longer has (it cannot
+/// happen unless this agent lost input it had reported taken); the count jumps over it, so
+/// that what follows is taken rather than refused for ever. Nothing is taken when `cancel`
+/// fires first.
+pub async fn take_input(
+    cmd: &Arc<Cmd>,
+    offset: Option<u64>,
+    data: Option<Bytes>,
+    cancel: &CancellationToken,
+) {
+    let _gate = tokio::select! {
+        g = cmd.input_gate.lock() => g,
+        _ = cancel.cancelled() => return,
+    };
+    let taken = cmd.lock().input_taken;
+    let offset = offset.unwrap_or(taken);
+    if offset > taken {
+        note!(
+            "space-agent: input of {} resumes at {offset}, after {taken}: {} lost",
+            cmd.id,
+            offset - taken
+        );
+        cmd.note_input_taken(offset - taken);
+    }
+    let skip = taken.saturating_sub(offset);
+    match data {
+        Some(data) => {
+            let skip = usize::try_from(skip).unwrap_or(usize::MAX);
+            if skip >= data.len() {
+                return;
+            }
+            let data = data.slice(skip..);
+            let n = data.len() as u64;
+            if let Some(stdin) = cmd.stdin() {
+                tokio::select! {
+                    _ = stdin.send(data) => {}
+                    _ = cancel.cancelled() => return,
+                }
+            }
+            cmd.note_input_taken(n);
+        }
+        None if skip > 0 => {}
+        None => {
+            if let Some(stdin) = cmd.end_stdin() {
+                tokio::select! {
+                    _ = stdin.send_eof() => {}
+                    _ = cancel.cancelled() => return,
+                }
+            }
+            cmd.note_input_taken(1);
         }
     }
 }

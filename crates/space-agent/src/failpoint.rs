@@ -9,8 +9,8 @@
 //!
 //! `agent:drop`: asked to run `space-failpoint drop-before KIND`, the agent drops its
 //! host connection the next time the host asks it for KIND (`signal`, or a file call:
-//! `download`, `upload`, `list`, `stat`, `mkdir`, `move`, `remove`), before acting on
-//! it, and dials again as after any break: how tests show that a call whose connection
+//! `download`, `upload`, `list`, `stat`, `mkdir`, `move`, `remove`; or `stdin`: the next
+//! input frame of an attach), before acting on it, and dials again as after any break: how tests show that a call whose connection
 //! broke under it is made again on the next one, or answered 503 having changed nothing.
 //! `agent:drop:KIND` arms it from the start, for calls the host makes before any command
 //! could (a create's own, such as its write of `/etc/hosts`).
@@ -18,6 +18,9 @@
 //! `agent:silent`: the agent connects to the host and never says hello, as a guest that
 //! stalls after opening its link would: how tests show that a create whose agent never
 //! dials in boots the sandbox again.
+//!
+//! `agent:no-features`: the agent's hello names no features, as an agent from before
+//! them (a sandbox that outlived an upgrade of the server) does.
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -26,7 +29,7 @@ use std::time::{Duration, Instant};
 static DROP_BEFORE: Mutex<Option<String>> = Mutex::new(None);
 /// The kinds `agent:drop` knows.
 const DROP_KINDS: &[&str] = &[
-    "signal", "download", "upload", "list", "stat", "mkdir", "move", "remove",
+    "signal", "download", "upload", "list", "stat", "mkdir", "move", "remove", "stdin",
 ];
 
 #[cfg(feature = "test-hooks")]
@@ -102,6 +105,12 @@ pub fn drop_before(kind: &str) -> bool {
 /// Whether the agent is to stay silent on its host connections (`agent:silent`).
 pub fn silent() -> bool {
     active("agent:silent")
+}
+
+/// Whether the agent is to name no features in its hello (`agent:no-features`), as one
+/// from before them: how tests show that a host still serves such an agent the old way.
+pub fn no_features() -> bool {
+    active("agent:no-features")
 }
 
 fn block(until: Option<Instant>) {

@@ -594,6 +594,11 @@ fn parse_offsets(query: &str) -> Result<[u64; 2], String> {
     Ok(offsets)
 }
 
+/// Whether an attach asks for [`Frame::InputTaken`] reports (`input=1`).
+fn reports_input(query: &str) -> bool {
+    query.split('&').any(|p| p == "input=1")
+}
+
 fn attach(agent: Arc<Agent>, id: &str, query: &str, body: Incoming) -> Response<Body> {
     let Some(cmd) = agent.get(id) else {
         return not_found(id);
@@ -619,6 +624,7 @@ fn attach(agent: Arc<Agent>, id: &str, query: &str, body: Incoming) -> Response<
     tokio::spawn(command::send_output(
         cmd.clone(),
         offsets,
+        reports_input(query),
         tx,
         cancel.clone(),
     ));
@@ -655,6 +661,11 @@ async fn read_host_frames(
         };
         decoder.push(&data);
         loop {
+            if cancel.is_cancelled() {
+                // Superseded: input still buffered here is sent again on the new attach
+                // (by a host with input offsets).
+                return;
+            }
             let frame = match decoder.next_frame() {
                 Ok(Some(f)) => f,
                 Ok(None) => break,
@@ -666,24 +677,25 @@ async fn read_host_frames(
             };
             match frame {
                 Frame::Ack { stdout, stderr } => cmd.ack(stdout, stderr),
-                Frame::Stdin(data) => {
-                    if data.is_empty() {
-                        continue;
-                    }
-                    if let Some(stdin) = cmd.stdin() {
-                        tokio::select! {
-                            _ = stdin.send(data) => {}
-                            _ = cancel.cancelled() => return,
-                        }
-                    }
+                Frame::Stdin(_)
+                | Frame::StdinEof
+                | Frame::StdinAt { .. }
+                | Frame::StdinEofAt(_)
+                    if crate::failpoint::drop_before("stdin") =>
+                {
+                    // The link goes before this input is taken: a host with input offsets
+                    // sends it again (one without loses it).
+                    agent.drop_link.notify_one();
+                    return;
                 }
-                Frame::StdinEof => {
-                    if let Some(stdin) = cmd.end_stdin() {
-                        tokio::select! {
-                            _ = stdin.send_eof() => {}
-                            _ = cancel.cancelled() => return,
-                        }
-                    }
+                // Input without offsets (a host from before them): taken where it comes.
+                Frame::Stdin(data) => command::take_input(&cmd, None, Some(data), &cancel).await,
+                Frame::StdinEof => command::take_input(&cmd, None, None, &cancel).await,
+                Frame::StdinAt { offset, data } => {
+                    command::take_input(&cmd, Some(offset), Some(data), &cancel).await;
+                }
+                Frame::StdinEofAt(offset) => {
+                    command::take_input(&cmd, Some(offset), None, &cancel).await;
                 }
                 Frame::Resize(size) => {
                     // Awaited, so that input after a resize reaches the command after it.
@@ -695,7 +707,10 @@ async fn read_host_frames(
                     // Done after the Exit frame, so anything else is ignored.
                     agent.forget(&cmd);
                 }
-                Frame::Stdout { .. } | Frame::Stderr { .. } | Frame::Exit(_) => {
+                Frame::Stdout { .. }
+                | Frame::Stderr { .. }
+                | Frame::Exit(_)
+                | Frame::InputTaken(_) => {
                     note!(
                         "space-agent: closing attach of {}: agent-only frame",
                         cmd.id
@@ -711,6 +726,14 @@ async fn read_host_frames(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn input_reports_are_asked_with_input_1() {
+        assert!(reports_input("stdout=0&stderr=0&input=1"));
+        assert!(reports_input("input=1"));
+        assert!(!reports_input("stdout=0&stderr=0"));
+        assert!(!reports_input("input=0&xinput=1"));
+    }
 
     #[test]
     fn offsets_parse() {

@@ -432,6 +432,10 @@ async fn handshake<S: HostLink>(stream: &mut S, cfg: &Config) -> std::io::Result
         sandbox_id: cfg.sandbox_id.clone(),
         token: cfg.token.clone(),
         agent_version: env!("CARGO_PKG_VERSION").to_string(),
+        features: match failpoint::no_features() {
+            true => Vec::new(),
+            false => vec![protocol::FEATURE_INPUT_OFFSETS.to_string()],
+        },
     };
     let mut line = serde_json::to_vec(&hello)?;
     line.push(b'\n');

@@ -12,10 +12,14 @@
 //! - `POST /v1/commands` with a [`SpawnRequest`] → [`SpawnReply`]. A program that cannot be
 //!   started is not a protocol error: the command ends at once with exit code 127 (not found) or
 //!   126 (not executable) and a message on its stderr.
-//! - `POST /v1/commands/{id}/attach?stdout=N&stderr=M` — full duplex. The response body is a
-//!   stream of agent frames ([`Frame::Stdout`], [`Frame::Stderr`], then one [`Frame::Exit`]),
-//!   starting at the given offsets; the request body is a stream of host frames
-//!   ([`Frame::Ack`], [`Frame::Stdin`], [`Frame::StdinEof`], [`Frame::Done`], [`Frame::Resize`]).
+//! - `POST /v1/commands/{id}/attach?stdout=N&stderr=M[&input=1]` — full duplex. The response
+//!   body is a stream of agent frames ([`Frame::Stdout`], [`Frame::Stderr`], then one
+//!   [`Frame::Exit`]), starting at the given offsets; the request body is a stream of host
+//!   frames ([`Frame::Ack`], [`Frame::Stdin`], [`Frame::StdinEof`], [`Frame::Done`],
+//!   [`Frame::Resize`]). With `input=1` (to an agent whose hello names
+//!   [`FEATURE_INPUT_OFFSETS`]) the response starts with [`Frame::InputTaken`], and has
+//!   another whenever the agent takes more input, always before the Exit; input then comes
+//!   as [`Frame::StdinAt`] and [`Frame::StdinEofAt`].
 //! - `POST /v1/commands/{id}/signal` with a [`SignalRequest`]: signals the command's process
 //!   group and its processes that left it (`setsid`, daemons); SIGKILL kills all of them.
 //!   Processes a command leaves behind once its main process has exited are not signalled.
@@ -98,7 +102,16 @@ pub struct Hello {
     pub sandbox_id: String,
     pub token: String,
     pub agent_version: String,
+    /// What this agent can do beyond version 1 ([`FEATURE_INPUT_OFFSETS`]); a host uses
+    /// only what both sides know, so either side may be the older.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub features: Vec<String>,
 }
+
+/// [`Hello::features`]: the agent takes input as [`Frame::StdinAt`] and
+/// [`Frame::StdinEofAt`] and reports how much it has taken ([`Frame::InputTaken`], first
+/// on an attach asked with `input=1`), so a host resends exactly what a broken link lost.
+pub const FEATURE_INPUT_OFFSETS: &str = "input-offsets";
 
 /// The host's answer to [`Hello`].
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -339,16 +352,32 @@ pub enum Frame {
     Done,
     /// Host → agent: resize the command's pseudo-terminal (ignored without one).
     Resize(PtySize),
+    /// Host → agent: input at `offset` of the command's input, where each stdin byte and
+    /// each end-of-file is one position ([`FEATURE_INPUT_OFFSETS`]). What the agent has
+    /// taken already is skipped; an offset past it means the positions between are lost,
+    /// and the agent's count jumps over them.
+    StdinAt {
+        offset: u64,
+        data: Bytes,
+    },
+    /// Host → agent: [`Frame::StdinEof`] at `offset` of the command's input.
+    StdinEofAt(u64),
+    /// Agent → host: the command's input below this position is taken (queued for the
+    /// command, or dropped because it no longer reads it); the host may forget it.
+    InputTaken(u64),
 }
 
 const T_STDOUT: u8 = 1;
 const T_STDERR: u8 = 2;
 const T_EXIT: u8 = 3;
+const T_INPUT_TAKEN: u8 = 4;
 const T_ACK: u8 = 16;
 const T_STDIN: u8 = 17;
 const T_STDIN_EOF: u8 = 18;
 const T_DONE: u8 = 19;
 const T_RESIZE: u8 = 20;
+const T_STDIN_AT: u8 = 21;
+const T_STDIN_EOF_AT: u8 = 22;
 
 /// A frame that could not be decoded. The connection that sent it is not trusted further.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -395,6 +424,19 @@ impl Frame {
                 header(out, T_RESIZE, 4);
                 out.put_u16(size.rows);
                 out.put_u16(size.cols);
+            }
+            Frame::StdinAt { offset, data } => {
+                header(out, T_STDIN_AT, 8 + data.len());
+                out.put_u64(*offset);
+                out.put_slice(data);
+            }
+            Frame::StdinEofAt(offset) => {
+                header(out, T_STDIN_EOF_AT, 8);
+                out.put_u64(*offset);
+            }
+            Frame::InputTaken(upto) => {
+                header(out, T_INPUT_TAKEN, 8);
+                out.put_u64(*upto);
             }
         }
     }
@@ -542,7 +584,17 @@ impl FrameDecoder {
         let len = u32::from_be_bytes([l0, l1, l2, l3]) as usize;
         if !matches!(
             t,
-            T_STDOUT | T_STDERR | T_EXIT | T_ACK | T_STDIN | T_STDIN_EOF | T_DONE | T_RESIZE
+            T_STDOUT
+                | T_STDERR
+                | T_EXIT
+                | T_INPUT_TAKEN
+                | T_ACK
+                | T_STDIN
+                | T_STDIN_EOF
+                | T_DONE
+                | T_RESIZE
+                | T_STDIN_AT
+                | T_STDIN_EOF_AT
         ) {
             return Err(FrameError::UnknownType(t));
         }
@@ -583,6 +635,27 @@ impl FrameDecoder {
                 }
             }
             T_STDIN => Frame::Stdin(payload),
+            T_STDIN_AT => {
+                if payload.len() < 8 {
+                    return Err(FrameError::Malformed(t));
+                }
+                let offset = payload.get_u64();
+                Frame::StdinAt {
+                    offset,
+                    data: payload,
+                }
+            }
+            T_STDIN_EOF_AT | T_INPUT_TAKEN => {
+                if payload.len() != 8 {
+                    return Err(FrameError::Malformed(t));
+                }
+                let at = payload.get_u64();
+                if t == T_STDIN_EOF_AT {
+                    Frame::StdinEofAt(at)
+                } else {
+                    Frame::InputTaken(at)
+                }
+            }
             T_RESIZE => {
                 if payload.len() != 4 {
                     return Err(FrameError::Malformed(t));
@@ -666,6 +739,16 @@ mod tests {
         });
         roundtrip(Frame::Stdin(Bytes::from_static(b"x")));
         roundtrip(Frame::StdinEof);
+        roundtrip(Frame::StdinAt {
+            offset: 1 << 40,
+            data: Bytes::from_static(b"typed"),
+        });
+        roundtrip(Frame::StdinAt {
+            offset: 0,
+            data: Bytes::new(),
+        });
+        roundtrip(Frame::StdinEofAt(9));
+        roundtrip(Frame::InputTaken(u64::MAX));
         roundtrip(Frame::Done);
         roundtrip(Frame::Resize(PtySize { rows: 24, cols: 80 }));
     }
@@ -800,6 +883,19 @@ mod tests {
         let mut d = FrameDecoder::new();
         d.push(&[T_ACK, 0, 0, 0, 1, 0]);
         assert_eq!(d.next_frame(), Err(FrameError::Malformed(T_ACK)));
+
+        // Input frames: an offset is 8 bytes, and a position nothing else.
+        for (t, payload) in [
+            (T_STDIN_AT, &[0u8; 7][..]),
+            (T_STDIN_EOF_AT, &[0u8; 9][..]),
+            (T_STDIN_EOF_AT, &[][..]),
+            (T_INPUT_TAKEN, &[0u8; 4][..]),
+        ] {
+            let mut d = FrameDecoder::new();
+            d.push(&[t, 0, 0, 0, payload.len() as u8]);
+            d.push(payload);
+            assert_eq!(d.next_frame(), Err(FrameError::Malformed(t)), "type {t}");
+        }
     }
 
     #[test]

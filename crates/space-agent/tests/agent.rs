@@ -376,6 +376,17 @@ impl Conn {
         })
     }
 
+    /// An attach whose agent reports the input it takes (its first frame says how much).
+    async fn attach_with_input(&self, id: &str, stdout: u64, stderr: u64) -> Attach {
+        let inner = within("attach", self.0.attach_with_input(id, stdout, stderr))
+            .await
+            .expect("attach with input");
+        Attach {
+            inner,
+            cursor: [stdout, stderr],
+        }
+    }
+
     async fn attach(&self, id: &str, stdout: u64, stderr: u64) -> Attach {
         match self.try_attach(id, stdout, stderr).await {
             Ok(a) => a,
@@ -889,6 +900,99 @@ async fn programs_that_cannot_start() {
     assert_eq!(out.exit.expect("exit").exit_code, Some(0));
     let _ = std::fs::remove_file(&script);
     assert_eq!(text(&out.stdout), "plain arg\n");
+}
+
+/// Reads `a` until the agent reports input taken up to `upto`; returns the stdout seen.
+/// Exits, or reports past `upto`, fail.
+async fn until_taken(a: &mut Attach, upto: u64) -> Vec<u8> {
+    let mut out = Vec::new();
+    loop {
+        match a.next().await {
+            Some(Frame::Stdout { data, .. }) => out.extend_from_slice(&data),
+            Some(Frame::InputTaken(n)) if n == upto => return out,
+            Some(Frame::InputTaken(n)) if n < upto => {}
+            other => panic!("waiting for input taken up to {upto}: {other:?}"),
+        }
+        a.ack().await;
+    }
+}
+
+/// Input with offsets (`input-offsets`): each attach starts with how much input the agent
+/// has taken, and a host that resends from anywhere below that (after a break) delivers
+/// each byte and each end-of-file once. Input past what was taken (a gap) is taken, the gap
+/// counted lost.
+#[tokio::test]
+async fn input_with_offsets_is_taken_once_however_often_it_is_sent() {
+    let host = Host::start();
+    let conn = host.accept().await;
+    assert!(
+        conn.0.input_offsets(),
+        "the agent names input-offsets in its hello"
+    );
+    conn.spawn(json!({"id": "cat", "argv": ["cat"], "env": [], "stdin": true}))
+        .await;
+    let mut a = conn.attach_with_input("cat", 0, 0).await;
+    assert_eq!(a.next().await, Some(Frame::InputTaken(0)), "first frame");
+    a.send(Frame::StdinAt {
+        offset: 0,
+        data: Bytes::from_static(b"hello "),
+    })
+    .await;
+    let mut out = until_taken(&mut a, 6).await;
+
+    // A new attach (as after a break) hears where input stopped, and a host that resends
+    // more than that gets only the new part taken.
+    let mut a = conn.attach_with_input("cat", a.cursor[0], 0).await;
+    assert_eq!(a.next().await, Some(Frame::InputTaken(6)), "first frame");
+    for (offset, data) in [(0, &b"hello world"[..]), (6, b"world"), (3, b"lo w")] {
+        a.send(Frame::StdinAt {
+            offset,
+            data: Bytes::from_static(data),
+        })
+        .await;
+    }
+    out.extend(until_taken(&mut a, 11).await);
+    // An end-of-file is a position too: sent twice, it is taken once.
+    a.send(Frame::StdinEofAt(11)).await;
+    a.send(Frame::StdinEofAt(11)).await;
+    let mut exit = None;
+    while let Some(f) = a.next().await {
+        match f {
+            Frame::Stdout { data, .. } => out.extend_from_slice(&data),
+            Frame::InputTaken(n) => assert_eq!(n, 12, "the end-of-file, once"),
+            Frame::Exit(e) => exit = Some(e),
+            other => panic!("{other:?}"),
+        }
+        a.ack().await;
+    }
+    assert_eq!(String::from_utf8_lossy(&out), "hello world");
+    assert_eq!(exit.and_then(|e| e.exit_code), Some(0));
+
+    // A gap: input at 5 when nothing was taken (a host that no longer has positions 0..5).
+    // They are counted lost, and what follows is taken.
+    conn.spawn(json!({"id": "cat2", "argv": ["cat"], "env": [], "stdin": true}))
+        .await;
+    let mut a = conn.attach_with_input("cat2", 0, 0).await;
+    assert_eq!(a.next().await, Some(Frame::InputTaken(0)));
+    a.send(Frame::StdinAt {
+        offset: 5,
+        data: Bytes::from_static(b"ok"),
+    })
+    .await;
+    a.send(Frame::StdinEofAt(7)).await;
+    let mut out = Vec::new();
+    let mut taken = Vec::new();
+    while let Some(f) = a.next().await {
+        match f {
+            Frame::Stdout { data, .. } => out.extend_from_slice(&data),
+            Frame::InputTaken(n) => taken.push(n),
+            Frame::Exit(_) => {}
+            other => panic!("{other:?}"),
+        }
+        a.ack().await;
+    }
+    assert_eq!(out, b"ok");
+    assert_eq!(taken.last(), Some(&8), "{taken:?}");
 }
 
 #[tokio::test]

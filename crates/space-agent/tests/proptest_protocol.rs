@@ -45,6 +45,9 @@ fn frame() -> impl Strategy<Value = Frame> {
         Just(Frame::StdinEof),
         Just(Frame::Done),
         (any::<u16>(), any::<u16>()).prop_map(|(rows, cols)| Frame::Resize(PtySize { rows, cols })),
+        (any::<u64>(), data()).prop_map(|(offset, data)| Frame::StdinAt { offset, data }),
+        any::<u64>().prop_map(Frame::StdinEofAt),
+        any::<u64>().prop_map(Frame::InputTaken),
     ]
 }
 
@@ -155,8 +158,8 @@ proptest! {
     }
 
     #[test]
-    fn hello_round_trips(protocol in any::<u32>(), sandbox_id in ".{0,64}", token in ".{0,64}", agent_version in ".{0,16}") {
-        let h = Hello { protocol, sandbox_id, token, agent_version };
+    fn hello_round_trips(protocol in any::<u32>(), sandbox_id in ".{0,64}", token in ".{0,64}", agent_version in ".{0,16}", features in proptest::collection::vec(".{0,16}", 0..3)) {
+        let h = Hello { protocol, sandbox_id, token, agent_version, features };
         let line = serde_json::to_vec(&h).unwrap();
         prop_assert!(!line.contains(&b'\n'), "a hello must fit on one line");
         prop_assert_eq!(serde_json::from_slice::<Hello>(&line).unwrap(), h);

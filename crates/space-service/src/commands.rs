@@ -20,6 +20,7 @@ use space_api::{
 use space_core::{new_id, now_rfc3339};
 use tokio::sync::{mpsc, watch};
 
+use super::input::InputLog;
 use super::output::{self, HoldLine, OutputProgress, OutputWriter, View};
 use super::{lock, validate_env, SandboxHandle, Service, ServiceError};
 use space_agent_host::{self as agent, AgentConn, AgentError, Attach, Retry};
@@ -47,6 +48,11 @@ pub(crate) struct CommandHandle {
     pub interactive: bool,
     /// Host frames (stdin, resize) for the current attach stream, while attached.
     pub host_frames: watch::Sender<Option<mpsc::Sender<Bytes>>>,
+    /// Whether its agent takes input with offsets: `None` until the first attach. With
+    /// them, input goes through `input`; without, straight into `host_frames`.
+    pub input_offsets: watch::Sender<Option<bool>>,
+    /// Its input not yet taken by the agent (see [`InputLog`]).
+    pub input: watch::Sender<InputLog>,
     /// Its live followers, which the session waits for before the output cap would
     /// drop what they have not read yet.
     pub followers: Followers,
@@ -469,6 +475,8 @@ impl Service {
             progress: watch::channel(progress).0,
             interactive,
             host_frames: watch::channel(None).0,
+            input_offsets: watch::channel(None).0,
+            input: watch::channel(InputLog::default()).0,
             followers: Followers::default(),
         });
         lock(&self.0.commands.live).insert(id.to_string(), ch.clone());
@@ -511,6 +519,7 @@ impl Service {
         let svc = self.clone();
         tokio::spawn(async move {
             let (outcome, done_tx) = session(&handle, &ch, writer, &id).await;
+            ch.input.send_modify(InputLog::close);
             svc.finalize_command(&sandbox_id, &id, outcome);
             if let Some(tx) = done_tx {
                 // The result is stored: the agent may forget the command.
@@ -846,6 +855,9 @@ impl Service {
         eof: bool,
     ) -> Result<(), ServiceError> {
         let ch = self.interactive_handle(sandbox_id, id)?;
+        if input_with_offsets(&ch, id).await? {
+            return append_input(&ch, id, data, eof).await;
+        }
         let mut frames: Vec<Bytes> = data
             .chunks(STREAM_PIECE_MAX)
             .map(|c| Frame::Stdin(Bytes::copy_from_slice(c)).to_bytes())
@@ -948,6 +960,64 @@ impl Service {
     }
 }
 
+/// Whether the agent of `ch` takes input with offsets (known from the session's first
+/// attach). A command that just started, or whose agent is reconnecting for the first
+/// time, gets a moment, as in [`Service::send_host_frames`].
+async fn input_with_offsets(ch: &CommandHandle, id: &str) -> Result<bool, ServiceError> {
+    let mut known = ch.input_offsets.subscribe();
+    let mut progress = ch.progress.subscribe();
+    let ended = || ServiceError::Conflict(format!("command {id} has already ended"));
+    tokio::select! {
+        k = tokio::time::timeout(SPAWN_CONNECT_TIMEOUT, known.wait_for(|k| k.is_some())) => match k {
+            Ok(Ok(k)) => Ok(k.unwrap_or(false)),
+            _ if ch.progress.borrow().done => Err(ended()),
+            _ => Err(ServiceError::Unavailable(format!(
+                "command {id} is not connected to its agent right now; retry"
+            ))),
+        },
+        _ = progress.wait_for(|p| p.done) => Err(ended()),
+    }
+}
+
+/// Appends a write to the command's input log, all of it or nothing, waiting for room
+/// while the agent has not taken enough ([`agent::REQUEST_TIMEOUT`] at most, then a 503
+/// that appended nothing). The session sends it, again after a break where it must.
+async fn append_input(
+    ch: &CommandHandle,
+    id: &str,
+    data: Bytes,
+    eof: bool,
+) -> Result<(), ServiceError> {
+    let ended = || ServiceError::Conflict(format!("command {id} has already ended"));
+    let mut log = ch.input.subscribe();
+    let wait = async {
+        loop {
+            log.borrow_and_update();
+            if ch.progress.borrow().done {
+                return Err(ended());
+            }
+            let mut appended = false;
+            ch.input.send_if_modified(|l| {
+                appended = l.append(&data, eof);
+                appended
+            });
+            if appended {
+                return Ok(());
+            }
+            if log.borrow().is_closed() || log.changed().await.is_err() {
+                return Err(ended());
+            }
+        }
+    };
+    tokio::time::timeout(agent::REQUEST_TIMEOUT, wait)
+        .await
+        .unwrap_or_else(|_| {
+            Err(ServiceError::Unavailable(format!(
+                "command {id} is not taking input (its queue is full); retry"
+            )))
+        })
+}
+
 /// What an output reader gets.
 #[derive(Debug)]
 pub enum OutputEvent {
@@ -993,7 +1063,13 @@ async fn session(
             _ = sb.closed.cancelled() => return (Outcome::Lost("the sandbox went away".into()), None),
         };
         let p = writer.progress();
-        let end = match conn.attach(id, p.stdout, p.stderr).await {
+        let with_input = conn.input_offsets();
+        ch.input_offsets.send_replace(Some(with_input));
+        let attached = match with_input {
+            true => conn.attach_with_input(id, p.stdout, p.stderr).await,
+            false => conn.attach(id, p.stdout, p.stderr).await,
+        };
+        let end = match attached {
             Ok(attach) => match attach.host_frames() {
                 Some(tx) => {
                     ch.host_frames.send_replace(Some(tx.clone()));
@@ -1045,6 +1121,8 @@ async fn pump(
     // Progress not acknowledged yet because a follower lags (see [`Followers`]), and the
     // line that follower must pass.
     let mut held: Option<(OutputProgress, HoldLine)> = None;
+    // Sends the command's input, from where the agent's first report says it stopped.
+    let mut input_sender: Option<AbortOnDrop> = None;
     loop {
         // All cancel-safe: nothing read is lost when another branch wins.
         let first = tokio::select! {
@@ -1085,6 +1163,25 @@ async fn pump(
                     }
                     wrote = true;
                 }
+                Frame::InputTaken(upto) => {
+                    let mut lie = None;
+                    ch.input.send_if_modified(|log| {
+                        log.take(upto).unwrap_or_else(|e| {
+                            lie = Some(e);
+                            false
+                        })
+                    });
+                    if let Some(e) = lie {
+                        return PumpEnd::Fatal(format!("the agent broke the protocol: {e}"));
+                    }
+                    if input_sender.is_none() {
+                        input_sender = Some(AbortOnDrop(tokio::spawn(send_input(
+                            ch.input.subscribe(),
+                            tx.clone(),
+                            upto,
+                        ))));
+                    }
+                }
                 Frame::Exit(status) => {
                     if wrote {
                         ch.progress.send_replace(OutputProgress {
@@ -1121,6 +1218,35 @@ async fn pump(
                 return PumpEnd::Disconnected;
             }
         }
+    }
+}
+
+/// Sends a command's input to the agent on one attach, from position `from` on, as it
+/// is written (see [`InputLog`]); ends with the attach.
+async fn send_input(mut log: watch::Receiver<InputLog>, tx: mpsc::Sender<Bytes>, mut from: u64) {
+    loop {
+        let (frames, next) = log.borrow_and_update().frames_from(from);
+        if frames.is_empty() {
+            if log.changed().await.is_err() {
+                return;
+            }
+            continue;
+        }
+        for f in frames {
+            if tx.send(f.to_bytes()).await.is_err() {
+                return;
+            }
+        }
+        from = next;
+    }
+}
+
+/// A task that is aborted when this is dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 
@@ -1227,6 +1353,8 @@ mod tests {
             progress: watch::channel(OutputProgress::default()).0,
             interactive: false,
             host_frames: watch::channel(None).0,
+            input_offsets: watch::channel(None).0,
+            input: watch::channel(InputLog::default()).0,
             followers: Followers::default(),
         })
     }

@@ -13,6 +13,7 @@
 mod chan;
 mod commands;
 pub mod files;
+mod input;
 pub mod interpreter;
 mod lifecycle;
 mod metrics;

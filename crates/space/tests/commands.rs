@@ -657,6 +657,159 @@ async fn output_format_raw_is_the_bytes_alone() {
     s.destroy(&sb).await;
 }
 
+/// A command's output as it comes (`format=raw`, followed), for waiting on.
+struct Output {
+    resp: reqwest::Response,
+    seen: String,
+}
+
+impl Output {
+    async fn follow(s: &TestServer, sb: &str, cid: &str) -> Output {
+        let path = format!("/v1/sandboxes/{sb}/commands/{cid}/output?format=raw&follow=true");
+        let resp = s.req(reqwest::Method::GET, &path).send().await.unwrap();
+        Output {
+            resp,
+            seen: String::new(),
+        }
+    }
+
+    /// Reads until the output so far contains `text` (60 s at most).
+    async fn until(&mut self, text: &str) {
+        while !self.seen.contains(text) {
+            let chunk = tokio::time::timeout(Duration::from_secs(60), self.resp.chunk())
+                .await
+                .unwrap_or_else(|_| panic!("no {text:?} in 60 s: {:?}", self.seen))
+                .unwrap()
+                .unwrap_or_else(|| panic!("the output ended without {text:?}: {:?}", self.seen));
+            self.seen.push_str(&String::from_utf8_lossy(&chunk));
+        }
+    }
+}
+
+/// Arms `agent:drop` (the server runs with `SPACE_FAILPOINT=agent:drop`): the agent drops
+/// its host connection when the next request of `kind` comes, before acting on it.
+async fn arm_drop(s: &TestServer, sb: &str, kind: &str) {
+    let (st, out) = s
+        .post(
+            &format!("/v1/sandboxes/{sb}/commands"),
+            json!({"argv": ["space-failpoint", "drop-before", kind]}),
+        )
+        .await;
+    assert!(
+        st == 400 && out.to_string().contains("agent:drop is armed"),
+        "arming agent:drop before a {kind} (an agent built without its test hooks \
+         cannot: FEATURES=test-hooks scripts/build.sh): {st} {out}"
+    );
+}
+
+/// Input whose agent link breaks under it (`agent:drop` armed before a `stdin`: the
+/// agent drops its connection when the next input frame comes, before taking it) was
+/// answered 204, and arrives once: the session resends what the agent had not taken on
+/// the next connection, and the agent skips what it had. On a pipe the end-of-file
+/// closes it once; on a terminal each ^D is typed once, and the lines around it in order.
+#[tokio::test]
+async fn input_whose_agent_link_breaks_arrives_once() {
+    let s = TestServer::start_with_env(&[], &[("SPACE_FAILPOINT", "agent:drop")]).await;
+    let sb = s.create("busybox").await;
+    let links = || s.log().matches("agent connected").count();
+    let result = |cid: String| {
+        let s = &s;
+        let sb = &sb;
+        async move {
+            let (st, cmd) = s
+                .get(&format!("/v1/sandboxes/{sb}/commands/{cid}?wait=60s"))
+                .await;
+            assert_eq!(st, 200, "{cmd}");
+            let (chunks, _) = s.output(sb, &cid, OutputQuery::default()).await;
+            let out = String::from_utf8_lossy(&decode(&chunks, None)).into_owned();
+            assert_eq!(cmd["state"], "exited", "{cmd}\n{out:?}");
+            (cmd, out)
+        }
+    };
+
+    // A pipe: a line before, a line whose link breaks, a line after, then an end-of-file
+    // whose link breaks too. Each break is armed once the input before it has come
+    // through, so that the arming call does not itself cross the previous break.
+    let before = links();
+    let cid = start(&s, &sb, json!({"argv": ["cat"], "stdin": true})).await;
+    let mut out = Output::follow(&s, &sb, &cid).await;
+    assert_eq!(stdin(&s, &sb, &cid, "one\n", false).await, 204);
+    out.until("one\n").await;
+    arm_drop(&s, &sb, "stdin").await;
+    assert_eq!(stdin(&s, &sb, &cid, "two\n", false).await, 204);
+    assert_eq!(stdin(&s, &sb, &cid, "three\n", false).await, 204);
+    out.until("three\n").await;
+    arm_drop(&s, &sb, "stdin").await;
+    assert_eq!(stdin(&s, &sb, &cid, "", true).await, 204);
+    let (cmd, out) = result(cid).await;
+    assert_eq!(cmd["result"]["exit_code"], 0, "{cmd}");
+    assert_eq!(out, "one\ntwo\nthree\n");
+    assert!(links() >= before + 2, "the link did not break twice");
+
+    // A terminal, where an end-of-file is typed (^D) and may come more than once: two
+    // `cat`s in turn, the first ended by the ^D whose link breaks, the second by the next
+    // (sent once the first has ended: gVisor's terminal may merge a ^D with input that
+    // follows it before its reader wakes). A ^D typed twice would end the second before
+    // "y"; one lost would leave the first running.
+    let cid = start(
+        &s,
+        &sb,
+        json!({"argv": ["sh", "-c", "cat; echo mid; cat; echo done"], "pty": {"rows": 24, "cols": 80}}),
+    )
+    .await;
+    let mut seen = Output::follow(&s, &sb, &cid).await;
+    assert_eq!(stdin(&s, &sb, &cid, "x\n", false).await, 204);
+    // The terminal's echo, then cat's copy.
+    seen.until("x\r\nx\r\n").await;
+    arm_drop(&s, &sb, "stdin").await;
+    assert_eq!(stdin(&s, &sb, &cid, "", true).await, 204);
+    seen.until("mid\r\n").await;
+    assert_eq!(stdin(&s, &sb, &cid, "y\n", true).await, 204);
+    let (cmd, out) = result(cid).await;
+    assert_eq!(cmd["result"]["exit_code"], 0, "{cmd}");
+    assert!(out.starts_with("x\r\nx\r\n"), "{out:?}");
+    assert!(out.ends_with("mid\r\ny\r\ny\r\ndone\r\n"), "{out:?}");
+    assert!(links() >= before + 3, "the link did not break under the ^D");
+    s.destroy(&sb).await;
+}
+
+/// An agent from before input offsets (`agent:no-features`: its hello names none, as a
+/// sandbox that outlived an upgrade of the server) still gets input, the old way: bytes
+/// and an end-of-file, on a pipe and on a terminal.
+#[tokio::test]
+async fn an_agent_from_before_input_offsets_still_gets_input() {
+    let s = TestServer::start_with_env(&[], &[("SPACE_FAILPOINT", "agent:no-features")]).await;
+    let sb = s.create("busybox").await;
+    // A pipe gets the bytes, then is closed; a terminal echoes them, and its ^D ends cat.
+    let cases = [
+        (json!({"argv": ["cat"], "stdin": true}), "old\nway\n"),
+        (
+            json!({"argv": ["cat"], "pty": {"rows": 24, "cols": 80}}),
+            "old\r\nold\r\nway\r\nway\r\n",
+        ),
+    ];
+    for (spawn, expected) in cases {
+        let cid = start(&s, &sb, spawn).await;
+        assert_eq!(stdin(&s, &sb, &cid, "old\n", false).await, 204);
+        assert_eq!(stdin(&s, &sb, &cid, "way\n", true).await, 204);
+        let all = OutputQuery {
+            follow: true,
+            ..Default::default()
+        };
+        let (chunks, end) = s.output(&sb, &cid, all).await;
+        // The terminal's echo and cat's copy may interleave.
+        let lines = |t: &str| {
+            let mut l: Vec<String> = t.split_inclusive('\n').map(str::to_owned).collect();
+            l.sort();
+            l
+        };
+        let out = String::from_utf8_lossy(&decode(&chunks, None)).into_owned();
+        assert_eq!(lines(&out), lines(expected), "{out:?}");
+        assert_eq!(end.expect("result line").exit_code(), Some(0));
+    }
+    s.destroy(&sb).await;
+}
+
 /// A one-shot call whose agent connection breaks under it (`SPACE_FAILPOINT=agent:drop`:
 /// armed by `space-failpoint drop-before KIND`, the agent drops its host connection when
 /// the next KIND request comes, before acting on it, and dials again). A call that does
@@ -669,23 +822,7 @@ async fn calls_whose_agent_connection_breaks_are_made_again_or_change_nothing() 
     let s = TestServer::start_with_env(&[], &[("SPACE_FAILPOINT", "agent:drop")]).await;
     let sb = s.create("busybox").await;
     let files = format!("/v1/sandboxes/{sb}/files");
-    let arm = |kind: &'static str| {
-        let s = &s;
-        let sb = &sb;
-        async move {
-            let (st, out) = s
-                .post(
-                    &format!("/v1/sandboxes/{sb}/commands"),
-                    json!({"argv": ["space-failpoint", "drop-before", kind]}),
-                )
-                .await;
-            assert!(
-                st == 400 && out.to_string().contains("agent:drop is armed"),
-                "arming agent:drop before a {kind} (an agent built without its test hooks \
-                 cannot: FEATURES=test-hooks scripts/build.sh): {st} {out}"
-            );
-        }
-    };
+    let arm = |kind: &'static str| arm_drop(&s, &sb, kind);
     // The server logs each call it makes again.
     let again = || s.log().matches("making it again on the next one").count();
     let send = |method: reqwest::Method, path: String, body: Option<Vec<u8>>| {

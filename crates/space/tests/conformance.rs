@@ -301,6 +301,16 @@ async fn pause_and_suspend_cycles(s: &TestServer, rt: &str) -> Result<(), (Strin
         .await;
     assert_eq!(st, 201);
     let counter = counter["id"].as_str().unwrap().to_string();
+    // A reader whose input is written while the sandbox is suspended: it is kept, and
+    // reaches it once it runs again (its agent link broke at the suspend).
+    let (st, reader) = s
+        .post(
+            &format!("/v1/sandboxes/{sb}/commands"),
+            json!({"argv": ["cat"], "stdin": true}),
+        )
+        .await;
+    assert_eq!(st, 201);
+    let reader = reader["id"].as_str().unwrap().to_string();
 
     op_ok(
         s,
@@ -340,6 +350,10 @@ async fn pause_and_suspend_cycles(s: &TestServer, rt: &str) -> Result<(), (Strin
             left.is_empty(),
             "a suspended sandbox keeps no process: {left:?}"
         );
+        s.client()
+            .write_stdin(&sb, &reader, format!("s{cycle}\n"), false)
+            .await
+            .expect("input while suspended");
         let (st, op) = s
             .post(&format!("/v1/sandboxes/{sb}/resume"), json!({}))
             .await;
@@ -361,6 +375,19 @@ async fn pause_and_suspend_cycles(s: &TestServer, rt: &str) -> Result<(), (Strin
             .await;
         assert_eq!(cmd["stdout"], "advanced\n", "cycle {cycle}: {cmd}");
     }
+    // The reader got each line written while suspended, once, in order.
+    s.client()
+        .write_stdin(&sb, &reader, "", true)
+        .await
+        .expect("eof");
+    let all = OutputQuery {
+        follow: true,
+        ..Default::default()
+    };
+    let (chunks, end) = s.output(&sb, &reader, all).await;
+    let want: String = (0..5).map(|k| format!("s{k}\n")).collect();
+    assert_eq!(String::from_utf8_lossy(&decode(&chunks, None)), want);
+    assert_eq!(end.expect("result line").exit_code(), Some(0));
     // The counter kept streaming into its one session, in order, without gaps.
     let stdout = OutputQuery {
         view: OutputView::Stdout,

@@ -45,6 +45,38 @@ async fn restart_after_kill9_readopts_and_loses_nothing() {
     assert_eq!(st, 201);
     let orphan_id = orphan["id"].as_str().unwrap().to_string();
 
+    // A command that takes input before and after the restart. What the agent took before
+    // (its output shows it) counts where the new server's input continues.
+    let (st, reader) = s
+        .post(
+            &format!("/v1/sandboxes/{live}/commands"),
+            json!({"argv": ["cat"], "stdin": true}),
+        )
+        .await;
+    assert_eq!(st, 201);
+    let reader_id = reader["id"].as_str().unwrap().to_string();
+    s.client()
+        .write_stdin(&live, &reader_id, "before\n", false)
+        .await
+        .expect("stdin");
+    let mut echoed = s
+        .client()
+        .command_output(
+            &live,
+            &reader_id,
+            &OutputQuery {
+                follow: true,
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    assert!(
+        matches!(echoed.next().await, Some(Ok(OutputItem::Chunk { data, .. })) if data == b"before\n"),
+        "cat echoed its input"
+    );
+    drop(echoed);
+
     // Let some output flow, then kill the server mid-stream.
     let follow = OutputQuery {
         follow: true,
@@ -94,6 +126,19 @@ async fn restart_after_kill9_readopts_and_loses_nothing() {
     assert_eq!(v["state"], "running", "{v}");
     let cmd = s.sh(&live, "cat /tmp/kept").await;
     assert_eq!(cmd["stdout"], "data\n", "{cmd}");
+
+    // The reader takes input again, after what it took before the restart, once.
+    s.client()
+        .write_stdin(&live, &reader_id, "after\n", true)
+        .await
+        .expect("stdin");
+    let follow_all = OutputQuery {
+        follow: true,
+        ..Default::default()
+    };
+    let (chunks, end) = s.output(&live, &reader_id, follow_all).await;
+    assert_eq!(decode(&chunks, None), b"before\nafter\n");
+    assert_eq!(end.expect("result line").exit_code(), Some(0));
 
     // The vanished one is failed, with a reason, and its command is lost.
     let (_, v) = s.get(&format!("/v1/sandboxes/{doomed}")).await;
