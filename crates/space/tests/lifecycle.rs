@@ -562,12 +562,28 @@ async fn a_stuck_operation_times_out_and_destroy_still_works() {
 /// succeeds, with the sandbox's processes and files as they were at the suspend.
 #[tokio::test]
 async fn a_restore_whose_agent_never_dials_in_is_restored_again() {
+    suspend_and_resume_with(
+        "resume:first_agent_never_dials",
+        "restoring the snapshot again",
+    )
+    .await;
+}
+
+/// A checkpoint that fails with the sandbox still running (runsc's rare `checkpoint
+/// failed: 25`; here `suspend:checkpoint_fails_once` fails the first attempt) is made once
+/// more: the suspend succeeds, and the sandbox resumes with its processes and files.
+#[tokio::test]
+async fn a_checkpoint_that_fails_once_is_made_again() {
+    suspend_and_resume_with("suspend:checkpoint_fails_once", "trying once more").await;
+}
+
+/// With the server's `failpoint` on, a sandbox with a file and a background loop is
+/// suspended and resumed: both succeed, the server's log says `logged` (the failpoint's
+/// second try happened), and the file and the loop are as they were.
+async fn suspend_and_resume_with(failpoint: &str, logged: &str) {
     let mut s = TestServer::start().await;
     s.kill9();
-    s.env = vec![(
-        "SPACE_FAILPOINT".into(),
-        "resume:first_agent_never_dials".into(),
-    )];
+    s.env = vec![("SPACE_FAILPOINT".into(), failpoint.into())];
     s.restart();
     let sb = s.create("busybox").await;
     s.sh(
@@ -575,22 +591,15 @@ async fn a_restore_whose_agent_never_dials_in_is_restored_again() {
         "echo kept > /tmp/marker; (while :; do sleep 1; done) >/dev/null 2>&1 & echo $! > /tmp/loop.pid",
     )
     .await;
-    op_ok(
-        &s,
-        s.post(&format!("/v1/sandboxes/{sb}/suspend"), json!({}))
-            .await,
-    )
-    .await;
-    op_ok(
-        &s,
-        s.post(&format!("/v1/sandboxes/{sb}/resume"), json!({}))
-            .await,
-    )
-    .await;
-    assert!(
-        s.log().contains("restoring the snapshot again"),
-        "the second restore did not happen"
-    );
+    for action in ["suspend", "resume"] {
+        op_ok(
+            &s,
+            s.post(&format!("/v1/sandboxes/{sb}/{action}"), json!({}))
+                .await,
+        )
+        .await;
+    }
+    assert!(s.log().contains(logged), "no {logged:?} in the log");
     let out = s
         .sh(
             &sb,
