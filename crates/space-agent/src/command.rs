@@ -13,11 +13,11 @@ use bytes::{Bytes, BytesMut};
 use space_agent::protocol::{
     CommandInfo, ExitStatus, Frame, PtySize, Stream, MAX_DATA_CHUNK, RETAIN_MAX_BYTES,
 };
-use tokio::net::unix::pipe;
 use tokio::sync::{mpsc, watch, Notify, OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 
 use crate::pty::{Pty, PtyRead};
+use crate::watch::Watched;
 
 /// Stdin bytes the agent queues for a command that is not reading them yet.
 /// Acks travel behind stdin in the same request body, so this must be well above
@@ -151,7 +151,7 @@ impl StdinHandle {
 /// (stdout and stderr together, reported as stdout).
 #[derive(Debug)]
 pub enum Source {
-    Pipe(pipe::Receiver),
+    Pipe(Watched),
     Pty(Arc<Pty>),
     /// A pipe out of the runtime's epoll (see [`unregister`]), non-blocking: polled
     /// every [`COALESCE`] until it is registered again.
@@ -161,7 +161,10 @@ pub enum Source {
 impl Source {
     async fn readable(&self) -> std::io::Result<()> {
         match self {
-            Source::Pipe(p) => p.readable().await,
+            Source::Pipe(p) => {
+                p.ready(crate::watch::READ).await;
+                Ok(())
+            }
             Source::Pty(p) => p.readable().await,
             Source::Parked(_) => {
                 tokio::time::sleep(COALESCE).await;
@@ -190,7 +193,7 @@ impl Source {
 /// Where a command's stdin queue is written to.
 #[derive(Debug)]
 pub enum Sink {
-    Pipe(pipe::Sender),
+    Pipe(Watched),
     Pty(Arc<Pty>),
 }
 
@@ -589,7 +592,6 @@ pub fn start_stdin_writer(cmd: &Arc<Cmd>, sink: Sink) -> StdinHandle {
 }
 
 async fn write_input(sink: &mut Sink, input: &InputKind) -> std::io::Result<()> {
-    use tokio::io::AsyncWriteExt;
     match (sink, input) {
         (Sink::Pipe(p), InputKind::Data(data)) => p.write_all(data).await,
         (Sink::Pty(p), InputKind::Data(data)) => p.write_all(data).await,
@@ -638,8 +640,16 @@ impl From<PtyRead> for Read {
     }
 }
 
-fn try_read(p: &pipe::Receiver, buf: &mut [u8]) -> Read {
-    match p.try_read(buf) {
+fn try_read(p: &Watched, buf: &mut [u8]) -> Read {
+    let read = p.try_io(|fd| {
+        // SAFETY: reads into a valid buffer from a descriptor `p` owns.
+        let n = unsafe { libc::read(fd, buf.as_mut_ptr().cast(), buf.len()) };
+        match n {
+            n if n >= 0 => Ok(n as usize),
+            _ => Err(std::io::Error::last_os_error()),
+        }
+    });
+    match read {
         Ok(0) => Read::Eof,
         Ok(n) => Read::Data(n),
         Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Read::Again,
@@ -699,7 +709,7 @@ pub async fn pump(
     // While the command runs: read whatever arrives, as retention allows.
     while !cmd.ended.is_cancelled() {
         if quiet.is_on() {
-            park_while_quiet(&mut pipes, quiet).await;
+            park_while_quiet(&mut pipes, &agent).await;
             continue;
         }
         if std::mem::take(&mut emptied) {
@@ -717,7 +727,7 @@ pub async fn pump(
             if forgotten {
                 return;
             }
-            register(&mut pipes);
+            register(&mut pipes, &agent);
         }
         let room = cmd.rooms();
         let blocked = (0..2).any(|s| pipes[s].is_some() && room[s] == 0);
@@ -812,24 +822,22 @@ impl ReadArena {
     }
 }
 
-/// Takes a command's pipes out of the runtime's epoll until the agent is woken: output
-/// arriving meanwhile wakes no thread of the agent (a tokio worker woken by an event runs
-/// the agent's code, reading the clock, and runsc was seen to save such a thread with
-/// registers it cannot have had: every restore of that image crashed the agent). A
-/// terminal stays registered (its master is shared with the stdin writer) and is only not
-/// read.
-async fn park_while_quiet(pipes: &mut [Option<Source>; 2], quiet: &crate::http::Quiet) {
+/// Takes a command's pipes out of the agent's epoll until the agent is woken: output
+/// arriving meanwhile wakes no thread of the agent while the sandbox may be checkpointed.
+/// An event that a restored epoll reports for the deleted registration names a serial
+/// number no pipe has any more and is dropped (see [`crate::watch`]). A terminal stays
+/// registered (its master is shared with the stdin writer) and is only not read.
+async fn park_while_quiet(pipes: &mut [Option<Source>; 2], agent: &crate::http::Agent) {
     unregister(pipes);
-    quiet.off().await;
-    register(pipes);
+    agent.quiet.off().await;
+    register(pipes, agent);
 }
 
 /// Takes the pipes among `pipes` out of the runtime's epoll (a terminal stays).
 fn unregister(pipes: &mut [Option<Source>; 2]) {
     for slot in pipes.iter_mut() {
         if let Some(Source::Pipe(p)) = slot.take_if(|s| matches!(s, Source::Pipe(_))) {
-            // Err: the descriptor is gone with it, as at end of file.
-            *slot = p.into_nonblocking_fd().ok().map(Source::Parked);
+            *slot = Some(Source::Parked(p.into_fd()));
         }
     }
 }
@@ -837,12 +845,13 @@ fn unregister(pipes: &mut [Option<Source>; 2]) {
 /// Puts pipes taken out by [`unregister`] back; data already in a pipe is reported at
 /// once. A pipe the runtime does not take back (out of epoll room) stays parked, polled,
 /// its output intact.
-fn register(pipes: &mut [Option<Source>; 2]) {
+fn register(pipes: &mut [Option<Source>; 2], agent: &crate::http::Agent) {
+    let Ok(reactor) = agent.reactor() else { return };
     for slot in pipes.iter_mut() {
         if let Some(Source::Parked(fd)) = slot.take_if(|s| matches!(s, Source::Parked(_))) {
             // A spare: a failed registration closes the descriptor it was given.
             let spare = fd.try_clone();
-            *slot = match (pipe::Receiver::from_owned_fd(fd), spare) {
+            *slot = match (Watched::new(&reactor, fd, crate::watch::READ), spare) {
                 (Ok(p), _) => Some(Source::Pipe(p)),
                 (Err(e), Ok(spare)) => {
                     note!("space-agent: an output pipe stays polled: {e}");

@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
+use std::os::fd::OwnedFd;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll};
@@ -18,7 +19,6 @@ use space_agent::protocol::{
     AgentInfo, ErrorBody, Frame, FrameDecoder, SignalRequest, SpawnReply, SpawnRequest,
     MAX_JSON_BODY, PROTOCOL_VERSION,
 };
-use tokio::net::unix::pipe;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
@@ -26,6 +26,7 @@ use crate::command::{self, AttachError, Cmd, Sink, Source};
 use crate::pty::Pty;
 use crate::reaper::{Reaper, SignalError};
 use crate::spawn;
+use crate::watch::{self, Watched};
 
 pub type Body = BoxBody<Bytes, Infallible>;
 
@@ -57,13 +58,16 @@ pub struct Agent {
     pub woken: tokio::sync::watch::Sender<u64>,
     /// On from a quiesce until the agent is woken (or its hold ends).
     pub quiet: Quiet,
+    /// The epoll that commands' pipes are watched with (see [`crate::watch`]), made on
+    /// first use, in the runtime.
+    watch: std::sync::OnceLock<Arc<crate::watch::Reactor>>,
 }
 
 /// Whether the agent is quiesced. Meanwhile its own periodic work (the memory watch,
 /// the polls of commands without a cgroup) stops, so that no thread of the agent is
-/// running when the sandbox is checkpointed: runsc (systrap, 2024-07-29) was seen to
-/// save a thread caught running with registers it cannot have had, and every restore of
-/// that image then crashed the agent. A thread asleep in a syscall is saved right.
+/// running when the sandbox is checkpointed. (This came from reading restored agents'
+/// crashes as threads saved while running; their cause was stale epoll events, see
+/// [`crate::watch`]. A quiet agent is kept: it costs nothing while held.)
 #[derive(Debug, Default)]
 pub struct Quiet {
     on: std::sync::Mutex<bool>,
@@ -145,6 +149,15 @@ impl Quiet {
 }
 
 impl Agent {
+    /// The epoll that commands' pipes are watched with. Call in the runtime.
+    pub fn reactor(&self) -> std::io::Result<Arc<crate::watch::Reactor>> {
+        if let Some(r) = self.watch.get() {
+            return Ok(r.clone());
+        }
+        let r = crate::watch::Reactor::start()?;
+        Ok(self.watch.get_or_init(|| r).clone())
+    }
+
     fn commands(&self) -> MutexGuard<'_, BTreeMap<String, Arc<Cmd>>> {
         self.commands.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -384,13 +397,12 @@ async fn spawn_command(agent: Arc<Agent>, body: Incoming) -> Response<Body> {
             stderr,
             pty,
         } => {
-            let mut out = stdout
-                .and_then(|fd| pipe::Receiver::from_owned_fd(fd).ok())
-                .map(Source::Pipe);
-            let err = stderr
-                .and_then(|fd| pipe::Receiver::from_owned_fd(fd).ok())
-                .map(Source::Pipe);
-            if let Some(tx) = stdin.and_then(|fd| pipe::Sender::from_owned_fd(fd).ok()) {
+            let reactor = agent.reactor().ok();
+            let watch =
+                |fd: Option<OwnedFd>, interest| Watched::new(reactor.as_ref()?, fd?, interest).ok();
+            let mut out = watch(stdout, watch::READ).map(Source::Pipe);
+            let err = watch(stderr, watch::READ).map(Source::Pipe);
+            if let Some(tx) = watch(stdin, watch::WRITE) {
                 cmd.set_stdin(command::start_stdin_writer(&cmd, Sink::Pipe(tx)));
             }
             // Registering a fresh descriptor fails only if the runtime's epoll

@@ -32,6 +32,7 @@ mod spawn;
 mod tree;
 mod users;
 mod vfork;
+mod watch;
 
 use std::convert::Infallible;
 use std::future::Future;

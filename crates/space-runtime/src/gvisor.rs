@@ -499,8 +499,9 @@ impl Runtime for GvisorRuntime {
         let image = image_dir.to_string_lossy().into_owned();
         // The agent has just let go of its connection and stopped its periodic work (see
         // `space_agent`'s `Quiet`): a moment for its threads to be back asleep, since runsc
-        // (systrap, 2024-07-29) was seen to save a thread caught running with registers it
-        // cannot have had. Nothing outside the sandbox can see that they are.
+        // (systrap, 2024-07-29) was thought to save a thread caught running with registers it
+        // cannot have had (those crashes were stale epoll events: `space_agent`'s `watch`).
+        // Nothing outside the sandbox can see that they are.
         tokio::time::sleep(CHECKPOINT_SETTLE).await;
         self.run_net(
             &["checkpoint", "--image-path", &image, id],
