@@ -153,7 +153,7 @@ impl StdinHandle {
 pub enum Source {
     Pipe(Watched),
     Pty(Arc<Pty>),
-    /// A pipe out of the runtime's epoll (see [`unregister`]), non-blocking: polled
+    /// A pipe out of the agent's epoll (see [`unregister`]), non-blocking: polled
     /// every [`COALESCE`] until it is registered again.
     Parked(std::os::fd::OwnedFd),
 }
@@ -641,7 +641,7 @@ impl From<PtyRead> for Read {
 }
 
 fn try_read(p: &Watched, buf: &mut [u8]) -> Read {
-    let read = p.try_io(|fd| {
+    let read = p.try_io(crate::watch::READ, |fd| {
         // SAFETY: reads into a valid buffer from a descriptor `p` owns.
         let n = unsafe { libc::read(fd, buf.as_mut_ptr().cast(), buf.len()) };
         match n {
@@ -715,7 +715,7 @@ pub async fn pump(
         if std::mem::take(&mut emptied) {
             // Let more output gather first (the pipes are large enough that a writer
             // does not stall meanwhile, see `spawn::OUTPUT_PIPE_BYTES`), with the pipes
-            // out of the runtime's epoll: registered, every small write would wake a
+            // out of the agent's epoll: registered, every small write would wake a
             // thread of the agent for nothing, which costs gVisor a context switch each.
             unregister(&mut pipes);
             let forgotten = tokio::select! {
@@ -833,7 +833,7 @@ async fn park_while_quiet(pipes: &mut [Option<Source>; 2], agent: &crate::http::
     register(pipes, agent);
 }
 
-/// Takes the pipes among `pipes` out of the runtime's epoll (a terminal stays).
+/// Takes the pipes among `pipes` out of the agent's epoll (a terminal stays).
 fn unregister(pipes: &mut [Option<Source>; 2]) {
     for slot in pipes.iter_mut() {
         if let Some(Source::Pipe(p)) = slot.take_if(|s| matches!(s, Source::Pipe(_))) {
@@ -843,7 +843,7 @@ fn unregister(pipes: &mut [Option<Source>; 2]) {
 }
 
 /// Puts pipes taken out by [`unregister`] back; data already in a pipe is reported at
-/// once. A pipe the runtime does not take back (out of epoll room) stays parked, polled,
+/// once. A pipe the epoll does not take back (out of room) stays parked, polled,
 /// its output intact.
 fn register(pipes: &mut [Option<Source>; 2], agent: &crate::http::Agent) {
     let Ok(reactor) = agent.reactor() else { return };

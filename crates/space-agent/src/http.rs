@@ -408,7 +408,8 @@ async fn spawn_command(agent: Arc<Agent>, body: Incoming) -> Response<Body> {
             // Registering a fresh descriptor fails only if the runtime's epoll
             // does; the master is closed then, and the terminal hangs up
             // (SIGHUP), as when a terminal window is closed.
-            if let Some(pty) = pty.and_then(|fd| Pty::new(fd).ok()).map(Arc::new) {
+            let pty = pty.and_then(|fd| Pty::new(reactor.as_ref()?, fd).ok());
+            if let Some(pty) = pty.map(Arc::new) {
                 cmd.set_pty(pty.clone());
                 cmd.set_stdin(command::start_stdin_writer(&cmd, Sink::Pty(pty.clone())));
                 out = Some(Source::Pty(pty));

@@ -5,11 +5,12 @@
 //! controlling terminal, see `spawn`); the agent keeps only the master.
 
 use std::io;
-use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::Arc;
 
-use futures::FutureExt;
 use space_agent::protocol::PtySize;
-use tokio::io::unix::AsyncFd;
+
+use crate::watch::{self, Reactor, Watched};
 
 /// What a terminal's EOF character is when it cannot be read (`^D`).
 const DEFAULT_EOF: u8 = 0x04;
@@ -91,19 +92,9 @@ fn set_size(fd: std::os::fd::BorrowedFd<'_>, size: PtySize) -> io::Result<()> {
     Ok(())
 }
 
-fn raw_read(fd: &OwnedFd, buf: &mut [u8]) -> io::Result<usize> {
+fn raw_read(fd: RawFd, buf: &mut [u8]) -> io::Result<usize> {
     // SAFETY: reads into a valid buffer from a descriptor we own.
-    let n = unsafe { libc::read(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
-    if n < 0 {
-        Err(io::Error::last_os_error())
-    } else {
-        Ok(n as usize)
-    }
-}
-
-fn raw_write(fd: &OwnedFd, data: &[u8]) -> io::Result<usize> {
-    // SAFETY: writes from a valid buffer to a descriptor we own.
-    let n = unsafe { libc::write(fd.as_raw_fd(), data.as_ptr().cast(), data.len()) };
+    let n = unsafe { libc::read(fd, buf.as_mut_ptr().cast(), buf.len()) };
     if n < 0 {
         Err(io::Error::last_os_error())
     } else {
@@ -122,64 +113,40 @@ fn classify(r: io::Result<usize>) -> PtyRead {
     }
 }
 
-/// The master side of a command's terminal.
+/// The master side of a command's terminal, watched by the agent's own epoll (see
+/// [`crate::watch`]: a restored epoll's stale events never reach it).
 #[derive(Debug)]
 pub struct Pty {
-    fd: AsyncFd<OwnedFd>,
+    fd: Watched,
 }
 
 impl Pty {
-    /// Makes `master` non-blocking and registers it with the runtime.
-    pub fn new(master: OwnedFd) -> io::Result<Pty> {
-        // SAFETY: plain fcntl calls on a descriptor we own.
-        unsafe {
-            let fl = libc::fcntl(master.as_raw_fd(), libc::F_GETFL);
-            if fl < 0 || libc::fcntl(master.as_raw_fd(), libc::F_SETFL, fl | libc::O_NONBLOCK) < 0 {
-                return Err(io::Error::last_os_error());
-            }
-        }
-        // SAFETY: an OwnedFd stays open, and names the same descriptor, until dropped.
-        let fd = unsafe { AsyncFd::register(master)? };
+    /// Makes `master` non-blocking and watches it, for reads and writes.
+    pub fn new(reactor: &Arc<Reactor>, master: OwnedFd) -> io::Result<Pty> {
+        let fd = Watched::new(reactor, master, watch::READ | watch::WRITE)?;
         Ok(Pty { fd })
     }
 
     /// Waits until the master may have something to read.
     pub async fn readable(&self) -> io::Result<()> {
-        self.fd.readable().await.map(|_| ())
+        self.fd.ready(watch::READ).await;
+        Ok(())
     }
 
-    /// One read after [`Pty::readable`]; readiness is cleared on `Again`.
+    /// One read after [`Pty::readable`]; readiness is cleared on `Again` (unless an event
+    /// came meanwhile).
     pub fn try_read(&self, buf: &mut [u8]) -> PtyRead {
-        // The guard is taken before the read, so an event that arrives after
-        // the read is not cleared with it.
-        match self.fd.readable().now_or_never() {
-            Some(Ok(mut guard)) => match guard.try_io(|fd| raw_read(fd.get_ref(), buf)) {
-                Ok(r) => classify(r),
-                Err(_would_block) => PtyRead::Again,
-            },
-            Some(Err(_)) => PtyRead::Eof,
-            None => PtyRead::Again,
-        }
+        classify(self.fd.try_io(watch::READ, |fd| raw_read(fd, buf)))
     }
 
-    /// A read that ignores the runtime's readiness (for draining after the exit).
+    /// A read that ignores the readiness (for draining after the exit).
     pub fn read_now(&self, buf: &mut [u8]) -> PtyRead {
-        classify(raw_read(self.fd.get_ref(), buf))
+        classify(raw_read(self.fd.as_raw_fd(), buf))
     }
 
     /// Writes all of `data`, waiting while the terminal's input is full.
-    pub async fn write_all(&self, mut data: &[u8]) -> io::Result<()> {
-        while !data.is_empty() {
-            let mut guard = self.fd.writable().await?;
-            match guard.try_io(|fd| raw_write(fd.get_ref(), data)) {
-                Ok(Ok(0)) => return Err(io::ErrorKind::WriteZero.into()),
-                Ok(Ok(n)) => data = &data[n..],
-                Ok(Err(e)) if e.kind() == io::ErrorKind::Interrupted => {}
-                Ok(Err(e)) => return Err(e),
-                Err(_would_block) => {}
-            }
-        }
-        Ok(())
+    pub async fn write_all(&self, data: &[u8]) -> io::Result<()> {
+        self.fd.write_all(data).await
     }
 
     /// The character that makes a terminal read return end-of-file now.
@@ -187,7 +154,7 @@ impl Pty {
         // SAFETY: termios is plain data that tcgetattr fills in.
         unsafe {
             let mut t = std::mem::zeroed::<libc::termios>();
-            if libc::tcgetattr(self.fd.get_ref().as_raw_fd(), &mut t) == 0 {
+            if libc::tcgetattr(self.fd.as_raw_fd(), &mut t) == 0 {
                 let c = t.c_cc[libc::VEOF];
                 // 0 is _POSIX_VDISABLE: no EOF character; ^D is as good as any.
                 if c != 0 {
@@ -201,7 +168,7 @@ impl Pty {
     /// Sets the window size. Linux then sends SIGWINCH to the terminal's
     /// foreground process group; gVisor does not (see [`Pty::kernel_signals_resize`]).
     pub fn resize(&self, size: PtySize) -> io::Result<()> {
-        set_size(self.fd.get_ref().as_fd(), size)
+        set_size(self.fd.as_fd(), size)
     }
 
     /// Whether the kernel knows the terminal's foreground process group from
@@ -210,7 +177,7 @@ impl Pty {
     pub fn kernel_signals_resize(&self) -> bool {
         let mut pgrp: libc::pid_t = 0;
         // SAFETY: TIOCGPGRP writes one pid_t to a valid pointer.
-        unsafe { libc::ioctl(self.fd.get_ref().as_raw_fd(), libc::TIOCGPGRP, &mut pgrp) == 0 }
+        unsafe { libc::ioctl(self.fd.as_raw_fd(), libc::TIOCGPGRP, &mut pgrp) == 0 }
     }
 }
 
@@ -231,7 +198,8 @@ mod tests {
     async fn sized_pair_resize_eof_and_hangup() {
         let (master, slave) = open(PtySize { rows: 24, cols: 80 }).expect("open pty");
         assert_eq!(size_of(&slave), (24, 80));
-        let pty = Pty::new(master).expect("register");
+        let reactor = Reactor::start().expect("reactor");
+        let pty = Pty::new(&reactor, master).expect("register");
         assert_eq!(pty.eof_char(), 0x04);
         pty.resize(PtySize {
             rows: 50,

@@ -1,4 +1,4 @@
-//! Readiness of commands' pipes through an epoll instance of the agent's own, whose event
+//! Readiness of commands' pipes and terminals through an epoll instance of the agent's own, whose event
 //! data is a serial number that is never reused and is looked up before it is used.
 //!
 //! Why not tokio's own registration: runsc (2024-07-29) restores, now and then, epoll
@@ -123,7 +123,8 @@ async fn dispatch(reactor: std::sync::Weak<Reactor>) {
     }
 }
 
-/// A non-blocking descriptor (a pipe's end) watched by the agent's own epoll.
+/// A non-blocking descriptor (a pipe's end, a terminal's master) watched by the agent's own
+/// epoll.
 pub struct Watched {
     fd: Option<OwnedFd>,
     id: u64,
@@ -192,15 +193,20 @@ impl Watched {
         }
     }
 
-    /// Runs `io` (a non-blocking call on the descriptor); when it would block, the readiness
-    /// it was tried on is cleared, unless an event came meanwhile.
-    pub fn try_io<T>(&self, io: impl FnOnce(RawFd) -> io::Result<T>) -> io::Result<T> {
+    /// Runs `io` (a non-blocking call on the descriptor for `interest`); when it would block,
+    /// the readiness for `interest` is cleared (the other direction's is kept), unless an
+    /// event came meanwhile.
+    pub fn try_io<T>(
+        &self,
+        interest: u32,
+        io: impl FnOnce(RawFd) -> io::Result<T>,
+    ) -> io::Result<T> {
         let seen = self.slot.state.load(Ordering::Acquire);
         let result = io(self.raw());
         if matches!(&result, Err(e) if e.kind() == io::ErrorKind::WouldBlock) {
             let _ = self.slot.state.compare_exchange(
                 seen,
-                seen & !0xffff_ffff,
+                seen & !u64::from(interest | ALWAYS),
                 Ordering::AcqRel,
                 Ordering::Acquire,
             );
@@ -211,7 +217,7 @@ impl Watched {
     /// Writes all of `data`, waiting while the pipe is full.
     pub async fn write_all(&self, mut data: &[u8]) -> io::Result<()> {
         while !data.is_empty() {
-            let written = self.try_io(|fd| {
+            let written = self.try_io(WRITE, |fd| {
                 // SAFETY: writes from a valid buffer to a descriptor owned here.
                 let n = unsafe { libc::write(fd, data.as_ptr().cast(), data.len()) };
                 match n {
@@ -268,6 +274,15 @@ impl AsRawFd for Watched {
     }
 }
 
+impl std::os::fd::AsFd for Watched {
+    fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.fd
+            .as_ref()
+            .expect("a watched descriptor until dropped")
+            .as_fd()
+    }
+}
+
 fn set_nonblocking(fd: RawFd) -> io::Result<()> {
     // SAFETY: fcntl on a descriptor the caller owns.
     unsafe {
@@ -292,7 +307,7 @@ mod tests {
     }
 
     fn read(w: &Watched, buf: &mut [u8]) -> io::Result<usize> {
-        w.try_io(|fd| {
+        w.try_io(READ, |fd| {
             // SAFETY: a valid buffer.
             let n = unsafe { libc::read(fd, buf.as_mut_ptr().cast(), buf.len()) };
             match n {
