@@ -641,15 +641,7 @@ impl From<PtyRead> for Read {
 }
 
 fn try_read(p: &Watched, buf: &mut [u8]) -> Read {
-    let read = p.try_io(crate::watch::READ, |fd| {
-        // SAFETY: reads into a valid buffer from a descriptor `p` owns.
-        let n = unsafe { libc::read(fd, buf.as_mut_ptr().cast(), buf.len()) };
-        match n {
-            n if n >= 0 => Ok(n as usize),
-            _ => Err(std::io::Error::last_os_error()),
-        }
-    });
-    match read {
+    match p.try_io(crate::watch::READ, |fd| crate::watch::read(fd, buf)) {
         Ok(0) => Read::Eof,
         Ok(n) => Read::Data(n),
         Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Read::Again,
@@ -663,19 +655,12 @@ fn try_read(p: &Watched, buf: &mut [u8]) -> Read {
 /// there is to wait for.
 fn read_fd(p: &impl std::os::fd::AsRawFd, buf: &mut [u8]) -> Read {
     loop {
-        // SAFETY: reads into a valid buffer from a descriptor `p` owns.
-        let n = unsafe { libc::read(p.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
-        if n > 0 {
-            return Read::Data(n as usize);
-        }
-        if n == 0 {
-            return Read::Eof;
-        }
-        let e = std::io::Error::last_os_error();
-        match e.kind() {
-            std::io::ErrorKind::Interrupted => continue,
-            std::io::ErrorKind::WouldBlock => return Read::Again,
-            _ => return Read::Eof,
+        match crate::watch::read(p.as_raw_fd(), buf) {
+            Ok(0) => return Read::Eof,
+            Ok(n) => return Read::Data(n),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Read::Again,
+            Err(_) => return Read::Eof,
         }
     }
 }

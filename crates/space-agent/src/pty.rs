@@ -5,7 +5,7 @@
 //! controlling terminal, see `spawn`); the agent keeps only the master.
 
 use std::io;
-use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::sync::Arc;
 
 use space_agent::protocol::PtySize;
@@ -92,16 +92,6 @@ fn set_size(fd: std::os::fd::BorrowedFd<'_>, size: PtySize) -> io::Result<()> {
     Ok(())
 }
 
-fn raw_read(fd: RawFd, buf: &mut [u8]) -> io::Result<usize> {
-    // SAFETY: reads into a valid buffer from a descriptor we own.
-    let n = unsafe { libc::read(fd, buf.as_mut_ptr().cast(), buf.len()) };
-    if n < 0 {
-        Err(io::Error::last_os_error())
-    } else {
-        Ok(n as usize)
-    }
-}
-
 fn classify(r: io::Result<usize>) -> PtyRead {
     match r {
         Ok(0) => PtyRead::Eof,
@@ -136,12 +126,12 @@ impl Pty {
     /// One read after [`Pty::readable`]; readiness is cleared on `Again` (unless an event
     /// came meanwhile).
     pub fn try_read(&self, buf: &mut [u8]) -> PtyRead {
-        classify(self.fd.try_io(watch::READ, |fd| raw_read(fd, buf)))
+        classify(self.fd.try_io(watch::READ, |fd| watch::read(fd, buf)))
     }
 
     /// A read that ignores the readiness (for draining after the exit).
     pub fn read_now(&self, buf: &mut [u8]) -> PtyRead {
-        classify(raw_read(self.fd.as_raw_fd(), buf))
+        classify(watch::read(self.fd.as_raw_fd(), buf))
     }
 
     /// Writes all of `data`, waiting while the terminal's input is full.

@@ -150,29 +150,21 @@ impl Watched {
         let id = r.next.fetch_add(1, Ordering::Relaxed);
         let slot = Arc::new(Slot::default());
         r.slots().insert(id, slot.clone());
-        let mut ev = libc::epoll_event {
-            events: interest | ALWAYS | libc::EPOLLET as u32,
-            u64: id,
-        };
-        // SAFETY: both descriptors are valid; `ev` is a valid event.
-        let added = unsafe {
-            libc::epoll_ctl(
-                r.epoll.as_raw_fd(),
-                libc::EPOLL_CTL_ADD,
-                fd.as_raw_fd(),
-                &mut ev,
-            )
-        };
+        let added = ctl(
+            r.epoll.as_raw_fd(),
+            libc::EPOLL_CTL_ADD,
+            fd.as_raw_fd(),
+            interest | ALWAYS | libc::EPOLLET as u32,
+            id,
+        );
+        // On error, dropping it takes the serial number out of the table and closes `fd`.
         let w = Watched {
             fd: Some(fd),
             id,
             slot,
             reactor: r.clone(),
         };
-        if added != 0 {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(w)
+        added.map(|()| w)
     }
 
     fn raw(&self) -> RawFd {
@@ -217,14 +209,7 @@ impl Watched {
     /// Writes all of `data`, waiting while the pipe is full.
     pub async fn write_all(&self, mut data: &[u8]) -> io::Result<()> {
         while !data.is_empty() {
-            let written = self.try_io(WRITE, |fd| {
-                // SAFETY: writes from a valid buffer to a descriptor owned here.
-                let n = unsafe { libc::write(fd, data.as_ptr().cast(), data.len()) };
-                match n {
-                    n if n >= 0 => Ok(n as usize),
-                    _ => Err(io::Error::last_os_error()),
-                }
-            });
+            let written = self.try_io(WRITE, |fd| write(fd, data));
             match written {
                 Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
                 Ok(n) => data = &data[n..],
@@ -246,15 +231,13 @@ impl Watched {
     fn forget(&mut self) {
         let r = &self.reactor;
         if let Some(fd) = &self.fd {
-            // SAFETY: both descriptors are valid; a null event is allowed for a delete.
-            unsafe {
-                libc::epoll_ctl(
-                    r.epoll.as_raw_fd(),
-                    libc::EPOLL_CTL_DEL,
-                    fd.as_raw_fd(),
-                    std::ptr::null_mut(),
-                )
-            };
+            let _ = ctl(
+                r.epoll.as_raw_fd(),
+                libc::EPOLL_CTL_DEL,
+                fd.as_raw_fd(),
+                0,
+                0,
+            );
         }
         r.slots().remove(&self.id);
     }
@@ -283,6 +266,30 @@ impl std::os::fd::AsFd for Watched {
     }
 }
 
+/// `read(2)` of `fd` into `buf`: the bytes read (0 at end of file), or the error.
+pub fn read(fd: RawFd, buf: &mut [u8]) -> io::Result<usize> {
+    // SAFETY: reads into a valid buffer; a descriptor that is not open fails with EBADF.
+    let n = unsafe { libc::read(fd, buf.as_mut_ptr().cast(), buf.len()) };
+    usize::try_from(n).map_err(|_| io::Error::last_os_error())
+}
+
+/// `write(2)` of `data` to `fd`: the bytes written, or the error.
+fn write(fd: RawFd, data: &[u8]) -> io::Result<usize> {
+    // SAFETY: writes from a valid buffer; a descriptor that is not open fails with EBADF.
+    let n = unsafe { libc::write(fd, data.as_ptr().cast(), data.len()) };
+    usize::try_from(n).map_err(|_| io::Error::last_os_error())
+}
+
+/// `epoll_ctl(epoll, op, fd, …)` with `events` and `data` (ignored for a delete).
+fn ctl(epoll: RawFd, op: i32, fd: RawFd, events: u32, data: u64) -> io::Result<()> {
+    let mut ev = libc::epoll_event { events, u64: data };
+    // SAFETY: `ev` is a valid event; bad descriptors fail with EBADF.
+    match unsafe { libc::epoll_ctl(epoll, op, fd, &mut ev) } {
+        0 => Ok(()),
+        _ => Err(io::Error::last_os_error()),
+    }
+}
+
 fn set_nonblocking(fd: RawFd) -> io::Result<()> {
     // SAFETY: fcntl on a descriptor the caller owns.
     unsafe {
@@ -306,15 +313,8 @@ mod tests {
         unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) }
     }
 
-    fn read(w: &Watched, buf: &mut [u8]) -> io::Result<usize> {
-        w.try_io(READ, |fd| {
-            // SAFETY: a valid buffer.
-            let n = unsafe { libc::read(fd, buf.as_mut_ptr().cast(), buf.len()) };
-            match n {
-                n if n >= 0 => Ok(n as usize),
-                _ => Err(io::Error::last_os_error()),
-            }
-        })
+    fn read_watched(w: &Watched, buf: &mut [u8]) -> io::Result<usize> {
+        w.try_io(READ, |fd| read(fd, buf))
     }
 
     #[tokio::test]
@@ -325,12 +325,12 @@ mod tests {
         let w = Watched::new(&rx, w, WRITE).unwrap();
         let mut buf = [0u8; 16];
         assert_eq!(
-            read(&r, &mut buf).unwrap_err().kind(),
+            read_watched(&r, &mut buf).unwrap_err().kind(),
             io::ErrorKind::WouldBlock
         );
         w.write_all(b"hello").await.unwrap();
         r.ready(READ).await;
-        assert_eq!(read(&r, &mut buf).unwrap(), 5);
+        assert_eq!(read_watched(&r, &mut buf).unwrap(), 5);
         assert_eq!(&buf[..5], b"hello");
         // A pipe filled past its size: the writer waits for the reader.
         let big = vec![7u8; 1 << 20];
@@ -341,7 +341,7 @@ mod tests {
         let mut got = 0;
         let mut chunk = vec![0u8; 65536];
         while got < 1 << 20 {
-            match read(&r, &mut chunk) {
+            match read_watched(&r, &mut chunk) {
                 Ok(n) => got += n,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => r.ready(READ).await,
                 Err(e) => panic!("{e}"),
@@ -349,7 +349,7 @@ mod tests {
         }
         drop(writer.await.unwrap());
         r.ready(READ).await;
-        assert_eq!(read(&r, &mut buf).unwrap(), 0, "end of file");
+        assert_eq!(read_watched(&r, &mut buf).unwrap(), 0, "end of file");
     }
 
     #[tokio::test]
@@ -363,42 +363,22 @@ mod tests {
         assert!(!rx.slots().contains_key(&stale));
         let (r2, w2) = pipe();
         let r2 = Watched::new(&rx, r2, READ).unwrap();
-        let mut ev = libc::epoll_event {
-            events: (libc::EPOLLIN | libc::EPOLLET) as u32,
-            u64: stale,
-        };
-        // SAFETY: valid descriptors and event.
-        let added = unsafe {
-            libc::epoll_ctl(
-                rx.epoll.as_raw_fd(),
-                libc::EPOLL_CTL_ADD,
-                fd.as_raw_fd(),
-                &mut ev,
-            )
-        };
-        assert_eq!(added, 0);
-        // SAFETY: a valid buffer.
-        assert_eq!(
-            unsafe { libc::write(w.as_raw_fd(), b"x".as_ptr().cast(), 1) },
-            1
-        );
-        // SAFETY: a valid buffer.
-        assert_eq!(
-            unsafe { libc::write(w2.as_raw_fd(), b"y".as_ptr().cast(), 1) },
-            1
-        );
+        let epoll = rx.epoll.as_raw_fd();
+        let stale_events = (libc::EPOLLIN | libc::EPOLLET) as u32;
+        ctl(
+            epoll,
+            libc::EPOLL_CTL_ADD,
+            fd.as_raw_fd(),
+            stale_events,
+            stale,
+        )
+        .unwrap();
+        assert_eq!(write(w.as_raw_fd(), b"x").unwrap(), 1);
+        assert_eq!(write(w2.as_raw_fd(), b"y").unwrap(), 1);
         // The live pipe still gets its event; the stale one touches nothing.
         r2.ready(READ).await;
         let mut buf = [0u8; 4];
-        assert_eq!(read(&r2, &mut buf).unwrap(), 1);
-        // SAFETY: valid descriptors.
-        unsafe {
-            libc::epoll_ctl(
-                rx.epoll.as_raw_fd(),
-                libc::EPOLL_CTL_DEL,
-                fd.as_raw_fd(),
-                std::ptr::null_mut(),
-            )
-        };
+        assert_eq!(read_watched(&r2, &mut buf).unwrap(), 1);
+        ctl(epoll, libc::EPOLL_CTL_DEL, fd.as_raw_fd(), 0, 0).unwrap();
     }
 }
