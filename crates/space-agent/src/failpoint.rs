@@ -19,6 +19,9 @@
 //! stalls after opening its link would: how tests show that a create whose agent never
 //! dials in boots the sandbox again.
 //!
+//! `agent:stall`: the agent sleeps for good before it does anything, as in a guest whose
+//! boot stalls before its agent runs: how tests show that such a create boots again.
+//!
 //! `agent:no-features`: the agent's hello names no features, as an agent from before
 //! them (a sandbox that outlived an upgrade of the server) does.
 
@@ -105,6 +108,16 @@ pub fn drop_before(kind: &str) -> bool {
 /// Whether the agent is to stay silent on its host connections (`agent:silent`).
 pub fn silent() -> bool {
     active("agent:silent")
+}
+
+/// With `agent:stall`, never returns: the agent sleeps before it does anything else, as in
+/// a guest whose boot stalled before its agent ran: how tests show that a create whose boot
+/// stalls boots the sandbox again.
+pub fn stall_if_asked() {
+    if active("agent:stall") {
+        note!("space-agent: failpoint agent:stall: stalling before the host link");
+        block(None);
+    }
 }
 
 /// Whether the agent is to name no features in its hello (`agent:no-features`), as one

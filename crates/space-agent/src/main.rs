@@ -128,6 +128,7 @@ fn main() -> ExitCode {
     if args.next().is_some_and(|a| a == "relay") {
         return relay::main(args);
     }
+    failpoint::stall_if_asked();
     keep_freed_memory();
     // Before the token is read: a non-dumpable process's memory (and, under Linux, its
     // environment, descriptors and other /proc files; gVisor checks only memory and ptrace)

@@ -75,6 +75,10 @@ pub enum RuntimeError {
     },
     #[error("{0}")]
     Unsupported(String),
+    /// The sandbox's kernel never got as far as starting its agent (a guest that sat idle,
+    /// or ran out of time, before its agent opened its link): booting it again may work.
+    #[error("{0}")]
+    BootStalled(String),
 }
 
 impl RuntimeError {

@@ -92,8 +92,16 @@ const AGENT_SOCKET: &str = "agent.sock";
 const AGENT_PORT_ID: &str = "agentport";
 /// How long a booting guest may take to start its agent. TCG on a loaded host: 15 s seen, and
 /// over 120 s once, with four microVMs of the hostile suite booting beside the conformance
-/// suite's on 2 CPUs. A guest that never starts its agent still fails, only later.
+/// suite's on 2 CPUs. A guest that has not started its agent by then has stalled
+/// (`RuntimeError::BootStalled`), as has one that sat idle for [`BOOT_IDLE_LIMIT`] before.
 const AGENT_OPEN_TIMEOUT: Duration = Duration::from_secs(300);
+/// How long a booting guest may sit idle before its agent opened its port (see
+/// [`process::Activity`]): then it is waiting for something that will not come, and the
+/// boot has stalled. Booting it again is the caller's to decide (`RuntimeError::BootStalled`).
+/// Seen rarely in CI runs with TCG: a guest whose console stopped early in its kernel's start
+/// and whose agent never opened its port in 300 s. A guest that boots keeps QEMU running or
+/// waiting for a CPU, however slowly it goes on a loaded host.
+const BOOT_IDLE_LIMIT: Duration = Duration::from_secs(30);
 /// How long the guest's agent may take to say hello once QEMU connected its port to the
 /// host's socket. Only QEMU dials that socket, one connection at a time, so there is nothing
 /// to bound. gVisor's 5 s dropped a silent TCG guest's connection every 5 s in the CI runs
@@ -689,20 +697,31 @@ impl MicrovmRuntime {
             let mut qmp = self.launch(&spec.id, state, None).await?;
             self.wait_status(&spec.id, &mut qmp, &["running"], START_TIMEOUT)
                 .await?;
-            let opened = wait_agent_open(&mut qmp).await;
-            let opened = opened.and_then(|open| {
-                open.then_some(())
-                    .ok_or(QmpError::Timeout(AGENT_OPEN_TIMEOUT))
-            });
-            if let Err(e) = opened {
-                return Err(RuntimeError::Tool {
+            let mut activity = qemu_pid(state).map(process::Activity::new);
+            let stall = wait_agent_open(&mut qmp, activity.as_mut())
+                .await
+                .map_err(|e| RuntimeError::Tool {
                     tool: "qemu".into(),
                     message: format!(
                         "microVM {}: the guest's agent did not open its port ({e}); console: {}",
                         spec.id,
                         process::console_tail(state, 600)
                     ),
-                });
+                })?;
+            if let Some(stall) = stall {
+                let cpu = activity
+                    .as_ref()
+                    .and_then(process::Activity::cpu_time)
+                    .map_or_else(
+                        || "unknown".to_string(),
+                        |t| format!("{:.1}s", t.as_secs_f64()),
+                    );
+                return Err(RuntimeError::BootStalled(format!(
+                    "microVM {}: {stall} (QEMU used {cpu} of CPU; {}); console: {}",
+                    spec.id,
+                    vcpu_state(&mut qmp).await,
+                    process::console_tail(state, 600)
+                )));
             }
             attach_agent(&mut qmp, &agent_socket)
                 .await
@@ -1034,19 +1053,60 @@ fn agent_socket_of(state_dir: &Path) -> Result<String, RuntimeError> {
         })
 }
 
-/// Waits until the booting guest's agent opens its port (true), or [`AGENT_OPEN_TIMEOUT`]
-/// passes (false). A guest whose /init fails powers off, which ends QEMU: an error here.
-async fn wait_agent_open(qmp: &mut Qmp) -> Result<bool, QmpError> {
+/// Waits until the booting guest's agent opens its port (`None`), or says why it gave up
+/// waiting: QEMU sat idle for [`BOOT_IDLE_LIMIT`] (watched through `activity`), or
+/// [`AGENT_OPEN_TIMEOUT`] passed. A guest whose /init fails powers off, which ends QEMU: an
+/// error here.
+async fn wait_agent_open(
+    qmp: &mut Qmp,
+    mut activity: Option<&mut process::Activity>,
+) -> Result<Option<String>, QmpError> {
     let start = Instant::now();
     let mut backoff = Backoff::polling();
     loop {
         if agent_port_open(qmp).await? {
-            return Ok(true);
+            return Ok(None);
+        }
+        let idle = activity.as_mut().map_or(Duration::ZERO, |a| a.idle_for());
+        if idle >= BOOT_IDLE_LIMIT {
+            return Ok(Some(format!(
+                "the guest sat idle for {}s before its agent opened its port",
+                idle.as_secs()
+            )));
         }
         if start.elapsed() > AGENT_OPEN_TIMEOUT {
-            return Ok(false);
+            return Ok(Some(format!(
+                "the guest's agent did not open its port within {}s",
+                AGENT_OPEN_TIMEOUT.as_secs()
+            )));
         }
         backoff.wait().await;
+    }
+}
+
+/// Where the guest's first vCPU is, for the log of a boot that stalled: its instruction
+/// pointer and whether it is halted, from QEMU's `info registers`; or why that is unknown.
+async fn vcpu_state(qmp: &mut Qmp) -> String {
+    let registers = qmp
+        .execute(
+            "human-monitor-command",
+            Some(json!({"command-line": "info registers"})),
+        )
+        .await;
+    let text = match registers {
+        Ok(Value::String(text)) => text,
+        Ok(other) => return format!("vCPU state unknown: {other}"),
+        Err(e) => return format!("vCPU state unknown: {e}"),
+    };
+    let wanted: Vec<&str> = text
+        .split_whitespace()
+        .filter(|w| w.starts_with("RIP=") || w.starts_with("HLT="))
+        .take(2)
+        .collect();
+    if wanted.is_empty() {
+        "vCPU state unknown".to_string()
+    } else {
+        format!("vCPU {}", wanted.join(" "))
     }
 }
 

@@ -186,6 +186,115 @@ pub(crate) fn console_tail(state_dir: &Path, max: usize) -> String {
         .collect()
 }
 
+/// Watches whether a process (a VM's monitor: QEMU) is doing anything, from the scheduler's
+/// own counts in `/proc/PID/task/*/schedstat`: the time its threads ran, and the time they
+/// were ready to run but waited for a CPU. A guest that boots keeps its vCPU thread running
+/// or waiting for a CPU, however loaded the host; a guest whose kernel waits for something
+/// that never comes leaves it asleep (an idle guest costs QEMU about 2% of a CPU). Starved is
+/// never idle here, because waiting for a CPU counts, and neither is a thread blocked on the
+/// host's disk (state `D`).
+pub(crate) struct Activity {
+    pid: i32,
+    /// The last sample: when, and the threads' running plus waiting nanoseconds then.
+    last: Option<(std::time::Instant, u64)>,
+    idle_since: Option<std::time::Instant>,
+}
+
+/// Shortest interval a sample is judged over.
+const ACTIVITY_INTERVAL: Duration = Duration::from_secs(1);
+/// Below this share of an interval spent running or waiting to run, the process was idle.
+const IDLE_SHARE: f64 = 0.1;
+
+impl Activity {
+    pub(crate) fn new(pid: i32) -> Activity {
+        Activity {
+            pid,
+            last: None,
+            idle_since: None,
+        }
+    }
+
+    /// Takes a sample (at most one a second counts) and says how long the process has been
+    /// idle without a break; zero while it is busy or cannot be read.
+    pub(crate) fn idle_for(&mut self) -> Duration {
+        let now = std::time::Instant::now();
+        if self
+            .last
+            .is_some_and(|(at, _)| now.duration_since(at) < ACTIVITY_INTERVAL)
+        {
+            return self.idle_since.map_or(Duration::ZERO, |t| now - t);
+        }
+        let Some(sample) = sample(self.pid) else {
+            self.last = None;
+            self.idle_since = None;
+            return Duration::ZERO;
+        };
+        let idle_from = match self.last {
+            Some((at, before)) => {
+                let span = now.duration_since(at).as_nanos() as f64;
+                let busy = sample.ran.saturating_add(sample.waited);
+                let quiet = (busy.saturating_sub(before) as f64) < span * IDLE_SHARE;
+                (quiet && !sample.blocked).then_some(at)
+            }
+            None => None,
+        };
+        self.last = Some((now, sample.ran.saturating_add(sample.waited)));
+        match idle_from {
+            // An idle stretch counts from the start of its first idle interval.
+            Some(at) => now - *self.idle_since.get_or_insert(at),
+            None => {
+                self.idle_since = None;
+                Duration::ZERO
+            }
+        }
+    }
+
+    /// How much CPU time the process has used in all.
+    pub(crate) fn cpu_time(&self) -> Option<Duration> {
+        sample(self.pid).map(|s| Duration::from_nanos(s.ran))
+    }
+}
+
+/// What the scheduler says of a process's threads together.
+struct Sample {
+    /// Nanoseconds they ran.
+    ran: u64,
+    /// Nanoseconds they were ready to run and waited for a CPU.
+    waited: u64,
+    /// Whether one of them is blocked in the host's kernel (`D`, as on a disk read).
+    blocked: bool,
+}
+
+/// `pid`'s [`Sample`]; `None` when the process is gone or unreadable.
+fn sample(pid: i32) -> Option<Sample> {
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).ok()?;
+    let mut sample = Sample {
+        ran: 0,
+        waited: 0,
+        blocked: false,
+    };
+    let mut any = false;
+    for task in tasks.flatten() {
+        let dir = task.path();
+        let Ok(schedstat) = std::fs::read_to_string(dir.join("schedstat")) else {
+            continue;
+        };
+        let mut fields = schedstat.split_whitespace().map(str::parse::<u64>);
+        let (Some(Ok(ran)), Some(Ok(waited))) = (fields.next(), fields.next()) else {
+            continue;
+        };
+        sample.ran = sample.ran.saturating_add(ran);
+        sample.waited = sample.waited.saturating_add(waited);
+        any = true;
+        let stat = std::fs::read_to_string(dir.join("stat")).unwrap_or_default();
+        sample.blocked |= stat
+            .rfind(')')
+            .and_then(|i| stat[i + 1..].split_whitespace().next())
+            == Some("D");
+    }
+    any.then_some(sample)
+}
+
 /// Kills a process group when dropped, so a cancelled future leaves nothing of a tool (apt,
 /// dpkg) running behind it.
 pub(crate) struct KillGroupOnDrop(Option<libc::pid_t>);
@@ -253,6 +362,37 @@ mod tests {
         let status = child.wait().await.expect("wait");
         use std::os::unix::process::ExitStatusExt;
         assert_eq!(status.signal(), Some(libc::SIGKILL));
+    }
+
+    #[test]
+    fn a_sleeping_process_is_idle_and_a_spinning_one_is_not() {
+        let spawn = |script: &str| {
+            std::process::Command::new("sh")
+                .args(["-c", script])
+                .spawn()
+                .expect("sh")
+        };
+        let mut asleep = spawn("exec sleep 1000");
+        let mut spinning = spawn("while :; do :; done");
+        let pid = |c: &std::process::Child| i32::try_from(c.id()).expect("pid");
+        let (mut a, mut b) = (Activity::new(pid(&asleep)), Activity::new(pid(&spinning)));
+        let (mut idle_a, mut idle_b) = (Duration::ZERO, Duration::ZERO);
+        for _ in 0..3 {
+            idle_a = a.idle_for();
+            idle_b = b.idle_for();
+            std::thread::sleep(ACTIVITY_INTERVAL + Duration::from_millis(100));
+        }
+        let cpu_b = b.cpu_time();
+        for c in [&mut asleep, &mut spinning] {
+            c.kill().expect("kill");
+            c.wait().expect("wait");
+        }
+        // Two whole intervals asleep; a spinning process runs or waits to, so is never idle.
+        assert!(idle_a >= 2 * ACTIVITY_INTERVAL, "{idle_a:?}");
+        assert_eq!(idle_b, Duration::ZERO);
+        assert!(cpu_b.is_some_and(|t| t > Duration::ZERO), "{cpu_b:?}");
+        // A process that is gone is never idle.
+        assert_eq!(a.idle_for(), Duration::ZERO);
     }
 
     #[tokio::test]

@@ -63,10 +63,18 @@ pub use tenancy::{Limits, Principal, Tenant};
 const CAS_ATTEMPTS: usize = 32;
 /// How long a booted sandbox's agent may take to dial in.
 const AGENT_CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
-/// Boots a create tries before it gives up on an agent that never dials in.
+/// Boots a create tries before it gives up on an agent that never starts.
 const CREATE_ATTEMPTS: u32 = 2;
 /// How long a re-adopted sandbox's agent may take to dial back in after a restart.
 const READOPT_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Why a boot of a sandbox being created gave it no agent, when booting again may mend it.
+struct NotStarted {
+    /// In a few words, for the create's progress ("booting the sandbox again (attempt 2: …)").
+    what: &'static str,
+    /// All that is known, for the log and the create's error.
+    detail: String,
+}
 
 /// Everything the service needs to know at start.
 #[derive(Debug, Clone)]
@@ -606,31 +614,37 @@ impl Service {
         // the host and then said nothing, not even its own timeouts' notes, for as long as it
         // was waited for. A sandbox being created holds nothing yet, so it is destroyed and
         // booted once more; what the first boot showed is logged.
+        // Also seen rarely: a TCG guest whose kernel stopped early in its start, so that its
+        // agent never ran (the runtime reports `BootStalled`). It is booted once more too.
         let mut attempt = 1;
+        let mut last = None;
         loop {
-            let progress = match attempt {
-                1 => "booting the sandbox".to_string(),
-                n => format!("booting the sandbox again (attempt {n}: its agent did not dial in)"),
+            let progress = match &last {
+                None => "booting the sandbox".to_string(),
+                Some(NotStarted { what, .. }) => {
+                    format!("booting the sandbox again (attempt {attempt}: {what})")
+                }
             };
             self.update_op(op_id, |op| op.progress = Some(progress.clone()))
                 .map_err(internal)?;
-            if self
+            let not_started = match self
                 .boot(handle, op_id, &rec, &template.rootfs, attempt)
                 .await?
-                .is_some()
             {
-                break;
-            }
+                Ok(_) => break,
+                Err(not_started) => not_started,
+            };
             if attempt == CREATE_ATTEMPTS {
                 return Err(ApiError::new(
                     ErrorCode::AgentTimeout,
                     format!(
-                        "the sandbox's agent did not connect within {}s, in each of {CREATE_ATTEMPTS} boots",
-                        AGENT_CONNECT_TIMEOUT.as_secs()
+                        "the sandbox's agent did not start in any of {CREATE_ATTEMPTS} boots; the last: {}",
+                        not_started.detail
                     ),
                 ));
             }
-            tracing::warn!(sandbox = %id, attempt, "the created sandbox's agent never dialled in; destroying it and booting it again");
+            tracing::warn!(sandbox = %id, attempt, detail = %not_started.detail, "a created sandbox: {}; destroying it and booting it again", not_started.what);
+            last = Some(not_started);
             handle.stop_listener();
             self.rt(id)
                 .destroy(id, &self.sandbox_dir(id))
@@ -678,7 +692,8 @@ impl Service {
     }
 
     /// Boots a sandbox being created (attempt `attempt`) and waits for its agent: its
-    /// connection, or `None` when it did not dial in within [`AGENT_CONNECT_TIMEOUT`].
+    /// connection, or why it has none that booting again may mend: the runtime says its boot
+    /// stalled, or its agent did not dial in within [`AGENT_CONNECT_TIMEOUT`].
     async fn boot(
         &self,
         handle: &Arc<SandboxHandle>,
@@ -686,7 +701,7 @@ impl Service {
         rec: &SandboxRecord,
         rootfs: &std::path::Path,
         attempt: u32,
-    ) -> Result<Option<AgentConn>, ApiError> {
+    ) -> Result<Result<AgentConn, NotStarted>, ApiError> {
         let id = &handle.id;
         let dir = self.sandbox_dir(id);
         let run_dir = dir.join("run");
@@ -722,6 +737,8 @@ impl Service {
             .chain(
                 if attempt == 1 && failpoint_active("create:first_agent_silent") {
                     Some(("SPACE_FAILPOINT".to_string(), "agent:silent".to_string()))
+                } else if attempt == 1 && failpoint_active("create:first_boot_stalls") {
+                    Some(("SPACE_FAILPOINT".to_string(), "agent:stall".to_string()))
                 } else {
                     agent_failpoint()
                 },
@@ -734,13 +751,23 @@ impl Service {
             hostname: id.replace('_', "-"),
             network: network::egress_config(&rec.sandbox.network),
         };
-        self.0
+        let created = self
+            .0
             .runtimes
             .get(&rec.sandbox.runtime)
             .map_err(|why| ApiError::new(ErrorCode::RuntimeUnavailable, why))?
             .create(&spec)
-            .await
-            .map_err(|e| ApiError::new(ErrorCode::RuntimeFailed, error_chain(&e)))?;
+            .await;
+        match created {
+            Ok(()) => {}
+            Err(RuntimeError::BootStalled(detail)) => {
+                return Ok(Err(NotStarted {
+                    what: "its boot stalled",
+                    detail,
+                }))
+            }
+            Err(e) => return Err(ApiError::new(ErrorCode::RuntimeFailed, error_chain(&e))),
+        }
         failpoint("create:after_boot");
         self.update_op(op_id, |op| {
             op.progress = Some("waiting for the agent".into())
@@ -748,11 +775,17 @@ impl Service {
         .map_err(internal)?;
         let mut rx = handle.agent.subscribe();
         match agent::wait_connected(&mut rx, AGENT_CONNECT_TIMEOUT).await {
-            Ok(conn) => Ok(Some(conn)),
+            Ok(conn) => Ok(Ok(conn)),
             Err(_) => {
                 self.log_silent_agent(id, "a created sandbox's agent never dialled in")
                     .await;
-                Ok(None)
+                Ok(Err(NotStarted {
+                    what: "its agent did not dial in",
+                    detail: format!(
+                        "its agent did not connect within {}s",
+                        AGENT_CONNECT_TIMEOUT.as_secs()
+                    ),
+                }))
             }
         }
     }

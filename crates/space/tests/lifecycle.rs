@@ -656,6 +656,64 @@ async fn a_create_whose_agent_never_dials_in_boots_again() {
     }
 }
 
+/// A created sandbox whose boot stalls before its agent runs (seen rarely in CI with TCG
+/// microVMs: the guest's console stopped early in its kernel's start, and its agent never
+/// opened its port in 300 s) is destroyed and booted once more, on either runtime. The
+/// microVM driver sees the guest sit idle and says the boot stalled, well before its 300 s;
+/// under gVisor the agent that never dials in is what shows it. The create succeeds, the
+/// sandbox works, and nothing of the first boot is left.
+#[tokio::test]
+async fn a_create_whose_boot_stalls_boots_again() {
+    let mut s = TestServer::start().await;
+    s.kill9();
+    s.env = vec![("SPACE_FAILPOINT".into(), "create:first_boot_stalls".into())];
+    s.restart();
+    let mut runtimes = vec![];
+    for rt in ["gvisor", "microvm"] {
+        if s.runtime_available(rt).await {
+            runtimes.push(rt);
+        }
+    }
+    let sandboxes = futures::future::join_all(
+        runtimes
+            .iter()
+            .map(|rt| s.create_with(json!({"template": "busybox", "runtime": rt}))),
+    )
+    .await;
+    let log = s.log();
+    // Each first boot's agent really stalled: its note is on the console that the log shows.
+    assert_eq!(
+        log.matches("failpoint agent:stall: stalling").count(),
+        runtimes.len(),
+        "{log}"
+    );
+    for (rt, sb) in runtimes.iter().zip(&sandboxes) {
+        let mine: Vec<&str> = log.lines().filter(|l| l.contains(sb.as_str())).collect();
+        let why = if *rt == "microvm" {
+            "its boot stalled"
+        } else {
+            "its agent did not dial in"
+        };
+        let again = mine
+            .iter()
+            .find(|l| l.contains("destroying it and booting it again"))
+            .unwrap_or_else(|| panic!("{rt}: the second boot did not happen\n{log}"));
+        eprintln!("[{rt}] {again}");
+        assert!(again.contains(why), "{rt}: {again}");
+        if *rt == "microvm" {
+            assert!(again.contains("the guest sat idle for"), "{rt}: {again}");
+        }
+        let op = operation_of(&s, sb, "create").await;
+        assert_eq!(op["status"], "succeeded", "{rt}: {op}");
+        let out = s.sh(sb, "echo booted-again").await;
+        assert_eq!(out["stdout"], "booted-again\n", "{rt}: {out}");
+    }
+    for sb in &sandboxes {
+        s.destroy(sb).await;
+        s.assert_nothing_left(sb);
+    }
+}
+
 /// Milliseconds since the epoch of an RFC 3339 UTC time as the API writes it
 /// (`2026-12-02T08:26:54.575Z`).
 fn epoch_ms(t: &str) -> i64 {
