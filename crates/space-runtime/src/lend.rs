@@ -30,12 +30,12 @@
 //! them on stop, checkpoint and destroy and after a crash; [`lend`] and [`relend`] make them
 //! on create and restore.
 
-use std::ffi::CString;
 use std::io;
-use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
 use space_core::runtime::RuntimeError;
+
+use crate::disk::{sys_mount, umount};
 
 /// The agent's file name, in the server's agent directory and in a sandbox's copy of it.
 pub const AGENT_FILE: &str = "space-agent";
@@ -195,58 +195,17 @@ pub fn mount_log(state_dir: &Path) -> Result<PathBuf, LendError> {
 fn bind_read_only(src: &Path, dst: &Path, flags: libc::c_ulong) -> io::Result<()> {
     std::fs::create_dir_all(dst)?;
     while crate::disk::is_mounted(dst) {
-        detach(dst)?;
+        umount(dst, libc::MNT_DETACH)?;
     }
     // Not recursive: nothing mounted below `src` is lent.
     sys_mount(Some(src), dst, None, libc::MS_BIND, None)?;
     // A bind takes its flags from a remount of the new mount alone.
     let ro = libc::MS_BIND | libc::MS_REMOUNT | libc::MS_RDONLY | flags;
     if let Err(e) = sys_mount(None, dst, None, ro, None) {
-        let _ = detach(dst);
+        let _ = umount(dst, libc::MNT_DETACH);
         return Err(e);
     }
     Ok(())
-}
-
-fn detach(path: &Path) -> io::Result<()> {
-    let p = c_path(path)?;
-    // SAFETY: a valid C string.
-    if unsafe { libc::umount2(p.as_ptr(), libc::MNT_DETACH) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
-}
-
-fn sys_mount(
-    src: Option<&Path>,
-    dst: &Path,
-    fstype: Option<&str>,
-    flags: libc::c_ulong,
-    data: Option<&str>,
-) -> io::Result<()> {
-    let src = src.map(c_path).transpose()?;
-    let dst = c_path(dst)?;
-    let fstype = fstype.map(CString::new).transpose()?;
-    let data = data.map(CString::new).transpose()?;
-    let ptr = |c: &Option<CString>| c.as_ref().map_or(std::ptr::null(), |c| c.as_ptr());
-    // SAFETY: valid C strings or null pointers, which mount(2) accepts for these arguments.
-    let rc = unsafe {
-        libc::mount(
-            ptr(&src),
-            dst.as_ptr(),
-            ptr(&fstype),
-            flags,
-            ptr(&data).cast(),
-        )
-    };
-    if rc != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
-}
-
-fn c_path(p: &Path) -> io::Result<CString> {
-    CString::new(p.as_os_str().as_bytes()).map_err(io::Error::other)
 }
 
 /// Copies the agent binary into `dir` (a new file, renamed into place).

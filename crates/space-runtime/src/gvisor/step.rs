@@ -376,14 +376,7 @@ impl StepDisk {
             )
             .await?;
             fs::create_dir(mount_point).map_err(|e| io_err("creating", mount_point, e))?;
-            run_tool(
-                "mount",
-                Command::new("mount")
-                    .args(["-t", "ext4", "-o", "loop,nodev,nosuid"])
-                    .arg(&image)
-                    .arg(mount_point),
-            )
-            .await?;
+            crate::disk::mount_loop(&image, mount_point, libc::MS_NODEV | libc::MS_NOSUID).await?;
             // mkfs's lost+found would end up in the template.
             let lost = mount_point.join("lost+found");
             fs::remove_dir(&lost).map_err(|e| io_err("removing", &lost, e))?;
