@@ -42,8 +42,11 @@ SPACE_BIN = os.environ.get("SPACE_BIN")
 DATA_DIR = os.environ.get("SPACE_DATA_DIR")
 
 os.makedirs(SHOTS, exist_ok=True)
-# Generous: the suite runs this beside other tests that load both cores.
-expect.set_options(timeout=45_000)
+# Generous: the suite runs this beside other tests that load both cores, and a 2-core CI
+# machine now and then stalls whole for up to 90 s (its kernel then logs a workqueue lockup:
+# ci86, ci90). Every wait outlasts such a stall; only a failure waits that long.
+WAIT_MS = 150_000
+expect.set_options(timeout=WAIT_MS)
 
 created_sandboxes = []  # (key, id)
 created_templates = []  # (key, name)
@@ -52,7 +55,7 @@ created_templates = []  # (key, name)
 # ---------------------------------------------------------------- API helpers
 
 
-def call(method, path, key, body=None, raw=None, timeout=90):
+def call(method, path, key, body=None, raw=None, timeout=WAIT_MS // 1000):
     """One API request; returns (status, parsed JSON or bytes)."""
     data = None
     headers = {"Authorization": f"Bearer {key}"}
@@ -183,7 +186,7 @@ def main():
         browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
         context = browser.new_context(viewport={"width": 1280, "height": 800}, accept_downloads=True)
         page = context.new_page()
-        page.set_default_timeout(60_000)
+        page.set_default_timeout(WAIT_MS)
         run = Run(page)
         try:
             # 1. A wrong key gets a clear message and stays on the login form.
@@ -231,7 +234,7 @@ def main():
                 my_sb = create_sandbox(KEY, {"owner": "a"}, wait=False)
                 row = page.locator(f'{tid("sandbox-row")}[data-id="{my_sb}"]')
                 expect(row).to_be_visible()
-                expect(row.locator(tid("sandbox-state"))).to_have_text("running", timeout=90_000)
+                expect(row.locator(tid("sandbox-state"))).to_have_text("running")
                 assert page.evaluate("() => window.__marker") == "still-here", "the page reloaded"
                 expect(page.locator(f'[data-id="{other_sb}"]')).to_have_count(0)
                 assert other_sb not in page.locator("body").inner_text()
@@ -279,7 +282,7 @@ def main():
                 # A prompt before typing.
                 page.wait_for_function(
                     "() => /[#$] ?$/m.test(document.querySelector('[data-testid=terminal] .xterm-rows').innerText.replace(/\\u00a0/g,' ').trimEnd())",
-                    timeout=45_000,
+                    timeout=WAIT_MS,
                 )
                 term.click()
                 page.keyboard.type("echo hi\n")
@@ -372,15 +375,15 @@ def main():
                 opline = page.locator(tid("operation-status"))
                 expect(opline).to_be_visible()
                 expect(opline).to_contain_text("Suspend")
-                expect(state).to_have_text("suspended", timeout=90_000)
-                expect(opline).to_contain_text("Suspend succeeded", timeout=30_000)
+                expect(state).to_have_text("suspended")
+                expect(opline).to_contain_text("Suspend succeeded")
                 expect(page.locator(tid("sandbox-cost"))).to_contain_text(re.compile(r"snapshot\s+\d"))
                 expect(page.locator(tid("action-suspend"))).to_be_disabled()
                 expect(page.locator(tid("action-resume"))).to_be_enabled()
                 page.click(tid("action-resume"))
                 expect(opline).to_contain_text("Resume")
-                expect(state).to_have_text("running", timeout=90_000)
-                expect(opline).to_contain_text("Resume succeeded", timeout=30_000)
+                expect(state).to_have_text("running")
+                expect(opline).to_contain_text("Resume succeeded")
                 expect(page.locator(tid("sandbox-cost"))).to_contain_text(re.compile(r"disk\s+\d"))
                 assert page.evaluate("() => window.__marker") == "still-here", "the page reloaded"
                 run.shot("sandbox.png")
@@ -404,9 +407,9 @@ def main():
                 )
                 page.click(tid("template-build-submit"))
                 log = page.locator(tid("build-log"))
-                expect(log).to_contain_text(f"building template {name}", timeout=60_000)
-                expect(log).to_contain_text("published", timeout=60_000)
-                expect(page.locator(tid("template-build-status"))).to_contain_text("succeeded", timeout=60_000)
+                expect(log).to_contain_text(f"building template {name}")
+                expect(log).to_contain_text("published")
+                expect(page.locator(tid("template-build-status"))).to_contain_text("succeeded")
                 expect(page.locator(f'{tid("template-row")}[data-name="{name}"]')).to_be_visible()
                 run.shot("templates.png")
                 return f"built {name}"
@@ -444,7 +447,7 @@ def main():
                 expect(state).to_have_text("running")
                 n = len(run.dialogs)
                 page.click(tid("action-destroy"))
-                expect(state).to_have_text("destroyed", timeout=90_000)
+                expect(state).to_have_text("destroyed")
                 assert len(run.dialogs) == n + 1 and my_sb in run.dialogs[-1], run.dialogs
                 for a in ("pause", "resume", "suspend", "destroy"):
                     expect(page.locator(tid(f"action-{a}"))).to_be_disabled()
@@ -499,7 +502,7 @@ def main():
                 assert status == 200, f"whoami: {status} {me}"
                 out = subprocess.run(
                     [SPACE_BIN, "keys", "revoke", me["key_id"], "--data-dir", DATA_DIR],
-                    capture_output=True, text=True, timeout=60,
+                    capture_output=True, text=True, timeout=WAIT_MS // 1000,
                 )
                 assert out.returncode == 0, f"space keys revoke: {out.stderr}"
                 # The live feed is cut off, its reconnect gets 401: sign-in says so.
@@ -529,7 +532,7 @@ def term_rows(page):
     )
 
 
-def wait_line(page, text, timeout=45_000):
+def wait_line(page, text):
     """Waits until a whole line of the terminal's screen is exactly `text`."""
     page.wait_for_function(
         "(t) => [...document.querySelectorAll('[data-testid=terminal] .xterm-rows > div')]"
@@ -539,7 +542,7 @@ def wait_line(page, text, timeout=45_000):
     )
 
 
-def wait_output(page, text, timeout=45_000):
+def wait_output(page, text):
     """Waits until the command output pane holds exactly `text` (byte for byte)."""
     try:
         page.wait_for_function(
@@ -556,7 +559,7 @@ def dom_rows(page):
     return page.evaluate("() => document.querySelectorAll('[data-testid=terminal] .xterm-rows > div').length")
 
 
-def wait_size(page, ok, timeout=45_000):
+def wait_size(page, ok):
     """Waits for a `stty size` answer ("ROWS COLS" as a whole line) that satisfies
     ok(rows, cols); asks again every few seconds (a resize may land after a question)."""
     deadline = time.time() + timeout / 1000
