@@ -532,7 +532,7 @@ def term_rows(page):
     )
 
 
-def wait_line(page, text):
+def wait_line(page, text, timeout=WAIT_MS):
     """Waits until a whole line of the terminal's screen is exactly `text`."""
     page.wait_for_function(
         "(t) => [...document.querySelectorAll('[data-testid=terminal] .xterm-rows > div')]"
@@ -542,7 +542,7 @@ def wait_line(page, text):
     )
 
 
-def wait_output(page, text):
+def wait_output(page, text, timeout=WAIT_MS):
     """Waits until the command output pane holds exactly `text` (byte for byte)."""
     try:
         page.wait_for_function(
@@ -559,7 +559,7 @@ def dom_rows(page):
     return page.evaluate("() => document.querySelectorAll('[data-testid=terminal] .xterm-rows > div').length")
 
 
-def wait_size(page, ok):
+def wait_size(page, ok, timeout=WAIT_MS):
     """Waits for a `stty size` answer ("ROWS COLS" as a whole line) that satisfies
     ok(rows, cols); asks again every few seconds (a resize may land after a question)."""
     deadline = time.time() + timeout / 1000
