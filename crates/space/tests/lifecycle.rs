@@ -617,22 +617,7 @@ async fn suspend_and_resume_with(failpoint: &str, logged: &str) {
 /// nothing of the first boot is left.
 #[tokio::test]
 async fn a_create_whose_agent_never_dials_in_boots_again() {
-    let mut s = TestServer::start().await;
-    s.kill9();
-    s.env = vec![("SPACE_FAILPOINT".into(), "create:first_agent_silent".into())];
-    s.restart();
-    let mut runtimes = vec![];
-    for rt in ["gvisor", "microvm"] {
-        if s.runtime_available(rt).await {
-            runtimes.push(rt);
-        }
-    }
-    let sandboxes = futures::future::join_all(
-        runtimes
-            .iter()
-            .map(|rt| s.create_with(json!({"template": "busybox", "runtime": rt}))),
-    )
-    .await;
+    let (s, runtimes, sandboxes) = create_on_each_runtime_with("create:first_agent_silent").await;
     let log = s.log();
     // Each first boot's agent did connect (silent, not absent), and its console was logged.
     assert_eq!(
@@ -645,15 +630,8 @@ async fn a_create_whose_agent_never_dials_in_boots_again() {
             .lines()
             .any(|l| l.contains(sb.as_str()) && l.contains("destroying it and booting it again"));
         assert!(again, "{rt}: the second boot did not happen\n{log}");
-        let out = s.sh(sb, "echo booted-again").await;
-        assert_eq!(out["stdout"], "booted-again\n", "{rt}: {out}");
-        let (_, op) = s.get(&format!("/v1/sandboxes/{sb}")).await;
-        assert_eq!(op["state"], "running", "{rt}: {op}");
     }
-    for sb in &sandboxes {
-        s.destroy(sb).await;
-        s.assert_nothing_left(sb);
-    }
+    booted_again_and_destroyed(&s, &runtimes, &sandboxes).await;
 }
 
 /// A created sandbox whose boot stalls before its agent runs (seen rarely in CI with TCG
@@ -664,22 +642,7 @@ async fn a_create_whose_agent_never_dials_in_boots_again() {
 /// sandbox works, and nothing of the first boot is left.
 #[tokio::test]
 async fn a_create_whose_boot_stalls_boots_again() {
-    let mut s = TestServer::start().await;
-    s.kill9();
-    s.env = vec![("SPACE_FAILPOINT".into(), "create:first_boot_stalls".into())];
-    s.restart();
-    let mut runtimes = vec![];
-    for rt in ["gvisor", "microvm"] {
-        if s.runtime_available(rt).await {
-            runtimes.push(rt);
-        }
-    }
-    let sandboxes = futures::future::join_all(
-        runtimes
-            .iter()
-            .map(|rt| s.create_with(json!({"template": "busybox", "runtime": rt}))),
-    )
-    .await;
+    let (s, runtimes, sandboxes) = create_on_each_runtime_with("create:first_boot_stalls").await;
     let log = s.log();
     // Each first boot's agent really stalled: its note is on the console that the log shows.
     assert_eq!(
@@ -705,10 +668,44 @@ async fn a_create_whose_boot_stalls_boots_again() {
         }
         let op = operation_of(&s, sb, "create").await;
         assert_eq!(op["status"], "succeeded", "{rt}: {op}");
+    }
+    booted_again_and_destroyed(&s, &runtimes, &sandboxes).await;
+}
+
+/// A server whose failpoint is `failpoint`, and one busybox sandbox created on each runtime
+/// this host has, all at once: the server, the runtimes and the sandboxes' ids.
+async fn create_on_each_runtime_with(
+    failpoint: &str,
+) -> (TestServer, Vec<&'static str>, Vec<String>) {
+    let mut s = TestServer::start().await;
+    s.kill9();
+    s.env = vec![("SPACE_FAILPOINT".into(), failpoint.into())];
+    s.restart();
+    let mut runtimes = vec![];
+    for rt in ["gvisor", "microvm"] {
+        if s.runtime_available(rt).await {
+            runtimes.push(rt);
+        }
+    }
+    let sandboxes = futures::future::join_all(
+        runtimes
+            .iter()
+            .map(|rt| s.create_with(json!({"template": "busybox", "runtime": rt}))),
+    )
+    .await;
+    (s, runtimes, sandboxes)
+}
+
+/// Each sandbox booted again runs commands and is `running`; then it is destroyed, and
+/// nothing of either boot is left.
+async fn booted_again_and_destroyed(s: &TestServer, runtimes: &[&str], sandboxes: &[String]) {
+    for (rt, sb) in runtimes.iter().zip(sandboxes) {
         let out = s.sh(sb, "echo booted-again").await;
         assert_eq!(out["stdout"], "booted-again\n", "{rt}: {out}");
+        let (_, got) = s.get(&format!("/v1/sandboxes/{sb}")).await;
+        assert_eq!(got["state"], "running", "{rt}: {got}");
     }
-    for sb in &sandboxes {
+    for sb in sandboxes {
         s.destroy(sb).await;
         s.assert_nothing_left(sb);
     }
