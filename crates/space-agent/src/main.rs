@@ -9,10 +9,14 @@
 /// A line on the agent's stderr, the sandbox's console. Unlike `eprintln!`, a failed write
 /// is ignored rather than a panic: the console is a small bounded file that anything in
 /// the sandbox can fill (`/proc/1/fd/2`), and a full console must not end the agent.
+/// One write per line: stderr is unbuffered, and a line formatted straight onto it is a
+/// write for each of its pieces, each a system call that gVisor makes expensive.
 macro_rules! note {
     ($($arg:tt)*) => {{
         use std::io::Write as _;
-        let _ = writeln!(std::io::stderr(), $($arg)*);
+        let mut line = format!($($arg)*);
+        line.push('\n');
+        let _ = std::io::stderr().write_all(line.as_bytes());
     }};
 }
 
@@ -249,14 +253,17 @@ async fn run(cfg: Config) -> ExitCode {
                 note!("space-agent: no cgroup for commands ({why}); RLIMIT_NPROC only")
             }
         }
-        // After the cgroup, which mounts below /sys. All or nothing per path: under gVisor
-        // every mount fails, which is expected there (its /proc/sys and /sys are its own).
-        let problems = masks::apply();
-        if !problems.is_empty() {
-            note!(
-                "space-agent: kernel knobs left as they are: {}",
-                problems.join("; ")
-            );
+        // After the cgroup, which mounts below /sys. All or nothing per path. Only in a
+        // microVM: under gVisor every mount fails (its /proc/sys and /sys are its own and
+        // read-only), and a boot would pay a dozen system calls to learn that.
+        if microvm_guest() {
+            let problems = masks::apply();
+            if !problems.is_empty() {
+                note!(
+                    "space-agent: kernel knobs left as they are: {}",
+                    problems.join("; ")
+                );
+            }
         }
     }
     let agent = Arc::new(Agent::default());
@@ -284,12 +291,16 @@ async fn run(cfg: Config) -> ExitCode {
             note!("space-agent: cannot handle SIGUSR1 (a quiesce holds for {HOLD_MAX:?}): {e}")
         }
     }
-    // The sandbox's kernel does not keep commands within its memory (gVisor): the agent does.
-    if std::process::id() == 1 && !memory_confined && !microvm_guest() {
-        oom::start(agent.clone());
-    }
+    // The sandbox's kernel does not keep commands within its memory (gVisor): the agent
+    // does. Its thread starts once the host has accepted the agent: no command runs before
+    // that, and a boot's first hello does not wait for a thread to be made.
+    let memory_watch =
+        (std::process::id() == 1 && !memory_confined && !microvm_guest()).then(|| {
+            let agent = agent.clone();
+            move || oom::start(agent)
+        });
 
-    dial_loop(&cfg, agent).await;
+    dial_loop(&cfg, agent, memory_watch).await;
     ExitCode::SUCCESS
 }
 
@@ -299,15 +310,25 @@ fn microvm_guest() -> bool {
 }
 
 /// A byte stream to the host that the handshake and HTTP/2 run over.
-trait HostLink: AsyncRead + AsyncWrite + Unpin + Send + 'static {
+trait HostLink: AsyncRead + AsyncWrite + Unpin + Send + Sized + 'static {
     /// Waits until the host has sent something (without consuming it); false when
     /// the connection ended first.
     fn host_spoke(&self) -> impl Future<Output = bool> + Send;
+
+    /// Reads the host's handshake reply, one line, and nothing after it (the host's
+    /// HTTP/2 follows at once).
+    fn read_reply_line(&mut self) -> impl Future<Output = std::io::Result<Vec<u8>>> + Send {
+        protocol::read_handshake_line(self)
+    }
 }
 
 impl HostLink for UnixStream {
     fn host_spoke(&self) -> impl Future<Output = bool> + Send {
         socket_host_spoke(self)
+    }
+
+    fn read_reply_line(&mut self) -> impl Future<Output = std::io::Result<Vec<u8>>> + Send {
+        socket_read_line(self)
     }
 }
 
@@ -317,17 +338,77 @@ impl HostLink for Port {
     }
 }
 
-async fn dial_loop(cfg: &Config, agent: Arc<Agent>) {
+async fn dial_loop(cfg: &Config, agent: Arc<Agent>, accepted: Option<impl FnOnce()>) {
     match &cfg.transport {
         Transport::Socket(path) => {
-            serve_host(cfg, agent, path, true, || {
-                UnixStream::connect(path.as_str())
-            })
-            .await
+            let dial = || connect_socket(path);
+            serve_host(cfg, agent, path, true, dial, accepted).await
         }
         // A microVM's port is saved with the VM; nothing to hold there.
-        Transport::Port(path) => serve_host(cfg, agent, path, false, || Port::connect(path)).await,
+        Transport::Port(path) => {
+            serve_host(cfg, agent, path, false, || Port::connect(path), accepted).await
+        }
     }
+}
+
+/// Connects to the host's socket at `path`. A Unix socket's connect completes in the call
+/// (or fails: `EAGAIN` when the host's backlog is full), and then nothing is waited for:
+/// [`UnixStream::connect`] would still wait for the socket to poll writable, a round trip
+/// through gVisor's host-socket notifier that cost a boot 1-2 ms. Only a connect that says
+/// it is in progress is waited for.
+async fn connect_socket(path: &str) -> std::io::Result<UnixStream> {
+    use std::os::fd::{FromRawFd, OwnedFd};
+    // SAFETY: sockaddr_un is plain data.
+    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    let bytes = path.as_bytes();
+    // One byte stays for the terminating NUL.
+    if bytes.is_empty() || bytes.len() >= addr.sun_path.len() || bytes.contains(&0) {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "not a usable socket path",
+        ));
+    }
+    for (dst, src) in addr.sun_path.iter_mut().zip(bytes) {
+        *dst = *src as libc::c_char;
+    }
+    // SAFETY: plain syscall; the descriptor is owned below.
+    let fd = unsafe {
+        libc::socket(
+            libc::AF_UNIX,
+            libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
+            0,
+        )
+    };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: a descriptor just made and owned by nothing else.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let len = std::mem::size_of::<libc::sa_family_t>() + bytes.len() + 1;
+    // SAFETY: `addr` is a valid sockaddr_un of at least `len` bytes.
+    let r = unsafe {
+        libc::connect(
+            std::os::fd::AsRawFd::as_raw_fd(&fd),
+            (&addr as *const libc::sockaddr_un).cast(),
+            len as libc::socklen_t,
+        )
+    };
+    let in_progress = r != 0;
+    if in_progress {
+        let e = std::io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::EINPROGRESS) {
+            return Err(e);
+        }
+    }
+    let stream = UnixStream::from_std(std::os::unix::net::UnixStream::from(fd))?;
+    if in_progress {
+        stream.writable().await?;
+        if let Some(e) = stream.take_error()? {
+            return Err(e);
+        }
+    }
+    Ok(stream)
 }
 
 /// Waits, after a quiesce, until the host wakes the agent (or [`HOLD_MAX`] passes).
@@ -350,8 +431,15 @@ async fn hold_after_quiesce(agent: &Agent) {
 
 /// Dials the host forever; serves each accepted connection until it ends. With `hold`,
 /// a quiesce keeps the agent from dialling until the host wakes it.
-async fn serve_host<S, D, F>(cfg: &Config, agent: Arc<Agent>, target: &str, hold: bool, dial: D)
-where
+/// `accepted` runs once, after the host first accepts the agent's hello.
+async fn serve_host<S, D, F>(
+    cfg: &Config,
+    agent: Arc<Agent>,
+    target: &str,
+    hold: bool,
+    dial: D,
+    mut accepted: Option<impl FnOnce()>,
+) where
     S: HostLink,
     D: Fn() -> F,
     F: Future<Output = std::io::Result<S>>,
@@ -402,6 +490,9 @@ where
             Ok(Ok(reply)) if reply.ok => {
                 backoff = BACKOFF_MIN;
                 quiet = false;
+                if let Some(f) = accepted.take() {
+                    f();
+                }
                 // The host speaks first (the HTTP/2 preface); one that does not is gone.
                 match tokio::time::timeout(HANDSHAKE_TIMEOUT, stream.host_spoke()).await {
                     Ok(true) => serve(stream, agent.clone()).await,
@@ -449,40 +540,60 @@ async fn handshake<S: HostLink>(stream: &mut S, cfg: &Config) -> std::io::Result
     // SAFETY: zero bytes keep the string valid UTF-8.
     unsafe { hello.token.as_bytes_mut().fill(0) };
     written?;
-    let reply = protocol::read_handshake_line(stream).await?;
+    let reply = stream.read_reply_line().await?;
     serde_json::from_slice(&reply)
         .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
+}
+
+/// Reads one line from `stream` with two system calls rather than one per byte: it looks
+/// at what has arrived ([`socket_peek`]) and then reads exactly the line. A line that has
+/// not wholly arrived yet is read a byte at a time, as before.
+async fn socket_read_line(stream: &mut UnixStream) -> std::io::Result<Vec<u8>> {
+    use tokio::io::AsyncReadExt;
+    let mut seen = vec![0u8; protocol::MAX_HANDSHAKE_BYTES];
+    let peeked = socket_peek(stream, &mut seen).await?;
+    match seen[..peeked].iter().position(|&b| b == b'\n') {
+        Some(end) => {
+            let mut line = vec![0u8; end + 1];
+            stream.read_exact(&mut line).await?;
+            line.pop();
+            Ok(line)
+        }
+        None => protocol::read_handshake_line(stream).await,
+    }
 }
 
 /// Waits until the host has sent something (without consuming it); false when
 /// the connection ended first.
 async fn socket_host_spoke(stream: &UnixStream) -> bool {
+    matches!(socket_peek(stream, &mut [0u8; 1]).await, Ok(n) if n > 0)
+}
+
+/// Waits until `stream` has something to read and copies what has arrived, up to
+/// `buf.len()` bytes, into `buf` without consuming it: how many (0 at the end).
+async fn socket_peek(stream: &UnixStream, buf: &mut [u8]) -> std::io::Result<usize> {
     use std::os::fd::AsRawFd;
     loop {
-        if stream.readable().await.is_err() {
-            return false;
-        }
-        let mut byte = 0u8;
+        stream.readable().await?;
         let peeked = stream.try_io(tokio::io::Interest::READABLE, || {
-            // SAFETY: a one-byte buffer we own, on a socket we own.
+            // SAFETY: a buffer we own, of the length given, on a socket we own.
             let n = unsafe {
                 libc::recv(
                     stream.as_raw_fd(),
-                    (&mut byte as *mut u8).cast(),
-                    1,
+                    buf.as_mut_ptr().cast(),
+                    buf.len(),
                     libc::MSG_PEEK | libc::MSG_DONTWAIT,
                 )
             };
             if n < 0 {
                 Err(std::io::Error::last_os_error())
             } else {
-                Ok(n)
+                Ok(n as usize)
             }
         });
         match peeked {
-            Ok(n) => return n > 0,
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
-            Err(_) => return false,
+            r => return r,
         }
     }
 }
@@ -510,5 +621,88 @@ async fn serve<S: HostLink>(stream: S, agent: Arc<Agent>) {
         // Dropping the connection closes the socket; commands and their output are kept.
         _ = watcher.quiesce.notified() => {}
         _ = watcher.drop_link.notified() => note!("space-agent: dropping the host connection (failpoint agent:drop)"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::AsyncReadExt;
+
+    #[tokio::test]
+    async fn a_reply_line_is_read_alone_and_what_follows_it_stays() {
+        let (mut host, mut agent) = UnixStream::pair().unwrap();
+        // The reply and the host's HTTP/2 preface can arrive in one read.
+        host.write_all(b"{\"ok\":true}\nPRI * HTTP/2.0")
+            .await
+            .unwrap();
+        assert_eq!(
+            socket_read_line(&mut agent).await.unwrap(),
+            b"{\"ok\":true}"
+        );
+        drop(host);
+        let mut rest = Vec::new();
+        agent.read_to_end(&mut rest).await.unwrap();
+        assert_eq!(rest, b"PRI * HTTP/2.0");
+    }
+
+    #[tokio::test]
+    async fn a_line_that_arrives_in_pieces_is_read_whole() {
+        let (mut host, mut agent) = UnixStream::pair().unwrap();
+        let writer = tokio::spawn(async move {
+            host.write_all(b"{\"ok\":").await.unwrap();
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            host.write_all(b"true}\nX").await.unwrap();
+            host
+        });
+        assert_eq!(
+            socket_read_line(&mut agent).await.unwrap(),
+            b"{\"ok\":true}"
+        );
+        drop(writer.await.unwrap());
+        let mut rest = Vec::new();
+        agent.read_to_end(&mut rest).await.unwrap();
+        assert_eq!(rest, b"X");
+    }
+
+    #[tokio::test]
+    async fn a_line_without_its_end_is_refused() {
+        let (mut host, mut agent) = UnixStream::pair().unwrap();
+        host.write_all(&vec![b'x'; protocol::MAX_HANDSHAKE_BYTES + 10])
+            .await
+            .unwrap();
+        let e = socket_read_line(&mut agent).await.unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::InvalidData);
+        // A connection that ends before its line is an error too, not an empty line.
+        let (host, mut agent) = UnixStream::pair().unwrap();
+        drop(host);
+        assert!(socket_read_line(&mut agent).await.is_err());
+        let (host, agent) = UnixStream::pair().unwrap();
+        drop(host);
+        assert!(!socket_host_spoke(&agent).await);
+    }
+
+    #[tokio::test]
+    async fn the_host_socket_is_dialled_or_a_clear_error_comes_back() {
+        let dir = std::env::temp_dir().join(format!("space-agent-dial-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("agent.sock");
+        let listener = tokio::net::UnixListener::bind(&path).unwrap();
+        let path = path.to_str().unwrap().to_string();
+        let mut dialled = connect_socket(&path).await.unwrap();
+        let (mut accepted, _) = listener.accept().await.unwrap();
+        dialled.write_all(b"hi").await.unwrap();
+        let mut got = [0u8; 2];
+        accepted.read_exact(&mut got).await.unwrap();
+        assert_eq!(&got, b"hi");
+        drop(listener);
+        std::fs::remove_file(&path).unwrap();
+        let gone = connect_socket(&path).await.unwrap_err();
+        assert_eq!(gone.kind(), std::io::ErrorKind::NotFound);
+        for bad in [String::new(), "x".repeat(200), "a\0b".into()] {
+            let e = connect_socket(&bad).await.unwrap_err();
+            assert_eq!(e.kind(), std::io::ErrorKind::InvalidInput, "{bad:?}");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -209,16 +209,16 @@ fn kill_everything(cmd: &Cmd) -> bool {
     found > 0 || root_alive
 }
 
-/// Reaps once now (children may have exited before the handler existed), then
-/// on every SIGCHLD. `sigchld` must be created before the first spawn. The
-/// reaping runs on a blocking thread: the lock it takes may be held by a kill
-/// that scans `/proc`, and no async worker may wait for that.
+/// Reaps once now (children may have exited before the handler existed: in a microVM,
+/// those of the init that ran before the agent), then on every SIGCHLD. `sigchld` must be
+/// created before the first spawn. Later reaps run on a blocking thread: the lock they take
+/// may be held by a kill that scans `/proc`, and no async worker may wait for that. The first
+/// runs here, at the agent's start, when no command (so no kill) exists yet: a boot does not
+/// wait for a blocking thread to be made.
 pub async fn run(reaper: Arc<Reaper>, mut sigchld: Signal) {
-    loop {
+    reaper.reap();
+    while sigchld.recv().await.is_some() {
         let r = reaper.clone();
         let _ = tokio::task::spawn_blocking(move || r.reap()).await;
-        if sigchld.recv().await.is_none() {
-            return;
-        }
     }
 }
