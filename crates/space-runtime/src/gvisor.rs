@@ -356,21 +356,21 @@ impl Runtime for GvisorRuntime {
                 .await
                 .map_err(|e| RuntimeError::io(format!("creating {}", dir.display()), e))?;
         }
-        // The writable layer lives on the sandbox's own quota'd filesystem.
-        disk::ensure_mounted(
-            &spec.state_dir.join(disk::IMAGE_FILE),
-            &overlay,
-            spec.disk_mib,
-            &self.disk_formats(),
-        )
-        .await?;
+        // The writable layer lives on the sandbox's own quota'd filesystem. It and the lent
+        // paths are made at once (neither needs the other), and both are waited for: a
+        // failure of one must not leave the other still mounting after the create has ended.
+        let (image, formats) = (spec.state_dir.join(disk::IMAGE_FILE), self.disk_formats());
+        let disk = disk::ensure_mounted(&image, &overlay, spec.disk_mib, &formats);
         let (dir, agents, run, rootfs) = (
             spec.state_dir.clone(),
             spec.agent_dir.clone(),
             spec.run_dir.clone(),
             spec.rootfs.clone(),
         );
-        let lent = blocking(move || Ok(lend::lend(&dir, &agents, &run, &rootfs)?)).await?;
+        let lend = blocking(move || Ok(lend::lend(&dir, &agents, &run, &rootfs)?));
+        let (disk, lent) = tokio::join!(disk, lend);
+        disk?;
+        let lent = lent?;
         if let Some(cfg) = spec.network.clone() {
             let (id, dir) = (spec.id.clone(), spec.state_dir.clone());
             blocking(move || net::setup(&id, &dir, net::LinkKind::Veth, &cfg)).await?;
