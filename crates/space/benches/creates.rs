@@ -2,6 +2,10 @@
 //! `runsc` doing the same work in parallel; then a burst past what is sensible, to show
 //! that each create either succeeds or is refused with a clear 429, and none fails or hangs.
 //!
+//! - One at a time (`ONE_BY_ONE` of each, interleaved): ours = one `POST /v1/sandboxes`
+//!   (busybox, gVisor) long-polled until running, then `true` with `wait:true`; raw =
+//!   `runsc create` + `runsc start` of our bundle, then a `runsc exec true` process. Time from
+//!   the request to the result, each sandbox destroyed before the next.
 //! - 16 at once (`ROUNDS` rounds, interleaved with raw): ours = 16 concurrent
 //!   `POST /v1/sandboxes` (busybox, gVisor), each long-polled until running, then
 //!   `true` with `wait:true`; raw = 16 threads each doing `runsc create` + `runsc start`
@@ -25,6 +29,7 @@ use rawsc::{bench_start, median, ms, one_side, raw_of, row, table_head};
 use space_api::{CreateSandboxRequest, OperationStatus, Resources};
 use space_client::{Client, ClientError};
 
+const ONE_BY_ONE: usize = 10;
 const AT_ONCE: usize = 16;
 const ROUNDS: usize = 3;
 const BURST: usize = 100;
@@ -43,6 +48,24 @@ fn main() {
     let ours = rt.block_on(rawsc::create_busybox(&c));
     let raw = raw_of(&server, &rawsc::our_bundle(&server, &ours));
     let raw_main = raw.start_new("main");
+
+    eprintln!("bench: one create at a time to a first result x{ONE_BY_ONE} (each side)");
+    let (mut o_one, mut r_one) = (Vec::new(), Vec::new());
+    for i in 0..ONE_BY_ONE {
+        let (id, took) = rt
+            .block_on(first_result(&c, None))
+            .unwrap_or_else(|e| panic!("a create on its own: {e}"));
+        rt.block_on(rawsc::destroy_ours(&c, &server, &id));
+        o_one.push(took);
+
+        let id = raw.id(&format!("s{i:03}"));
+        raw.prepare(&id);
+        let t0 = Instant::now();
+        raw.create_start(&id);
+        raw.exec_true(&id);
+        r_one.push(t0.elapsed());
+        raw.delete(&id);
+    }
 
     eprintln!("bench: {AT_ONCE} creates at once to a first result x{ROUNDS} (each side)");
     let (mut o_wall, mut r_wall) = (Vec::new(), Vec::new());
@@ -120,6 +143,13 @@ fn main() {
 
     table_head("creates", &facts);
     row(
+        "one at a time, to a first result",
+        "p50",
+        ms(median(&o_one)),
+        ms(median(&r_one)),
+        "ms",
+    );
+    row(
         &format!("{AT_ONCE} at once, wall to last result"),
         "median",
         ms(median(&o_wall)),
@@ -157,9 +187,10 @@ fn main() {
         println!("  {BURST} at once: {n} {outcome}");
     }
     println!(
-        "notes: ratio = ours / raw (above 1 is slower). ours = concurrent POST /v1/sandboxes, \
-         each long-polled until running, then `true` with wait:true; raw = one thread per \
-         sandbox: runsc create + start of our bundle, then a `runsc exec true` process. \
+        "notes: ratio = ours / raw (above 1 is slower). ours = POST /v1/sandboxes (one at a \
+         time, or concurrent), each long-polled until running, then `true` with wait:true; \
+         raw = runsc create + start of our bundle, then a `runsc exec true` process (at once: \
+         one thread per sandbox). \
          The burst counts each create's outcome: succeeded, refused (the HTTP status and \
          error code), failed (the operation's error) or hung (no result in {} s).",
         HANG.as_secs()
