@@ -10,8 +10,9 @@
 #   pools:     create to first result from a warm pool and cold, against runsc create+start+exec
 #   interpreter: the first result of 1+1 in a fresh code-interpreter sandbox (cold and
 #              from a pool) and per-cell latency, against a local Jupyter kernel
-#   creates:   16 creates at once to a first result against 16 runsc in parallel; 100 at once,
-#              each succeeded or refused (429), none failed or hung
+#   creates:   one create at a time, then 16 at once, to a first result, against runsc create +
+#              start + exec true (16 in parallel); 100 at once, each succeeded or refused (429),
+#              none failed or hung
 # Each prints one table; they never fail on speed, only when something breaks.
 # Needs root, like the tests.
 set -euo pipefail
