@@ -26,6 +26,32 @@ fn runsc_processes(sb: &str) -> Vec<(i32, String)> {
         .collect()
 }
 
+/// The cost's memory counts the processes in the sandbox's cgroup: they are the ones a walk
+/// through /proc finds, runsc's sandbox and gofer and every process below them (also for a
+/// sandbox restored from a snapshot). The Sentry makes and ends stub processes as the
+/// sandbox's own processes come and go, so the two are read again until one pair agrees.
+async fn same_processes_in_cgroup_and_proc(s: &TestServer, sb: &str) {
+    use space_runtime::gvisor::{cgroup_processes, runsc_processes_matching, with_descendants};
+    let bundle = s.data_dir().join("sandboxes").join(sb).join("bundle");
+    let needle = format!("--bundle={}", bundle.display());
+    let mut last = (Vec::new(), Vec::new());
+    for _ in 0..50 {
+        let mut listed = cgroup_processes(sb);
+        let mut walked = with_descendants(&runsc_processes_matching(&needle));
+        listed.sort_unstable();
+        walked.sort_unstable();
+        if !listed.is_empty() && listed == walked {
+            return;
+        }
+        last = (listed, walked);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!(
+        "the cgroup of {sb} lists {:?}, a walk through /proc finds {:?}",
+        last.0, last.1
+    );
+}
+
 /// runsc (2024-07-29, systrap) now and then writes a checkpoint that never restores
 /// (docs/SECURITY.md, known gaps; `tests/race.rs` bounds how often). The resume must
 /// then fail cleanly, `agent_timeout` with the sandbox `suspended` again, and the cycles
@@ -109,6 +135,7 @@ async fn five_cycles(s: &TestServer) -> Result<(), (String, Value)> {
         let (_, v) = s.get(&format!("/v1/sandboxes/{sb}")).await;
         assert_eq!(v["state"], "running");
         assert!(v["cost"]["memory_bytes"].as_u64().unwrap() > 0, "{v}");
+        same_processes_in_cgroup_and_proc(s, &sb).await;
 
         let all: String = (0..=cycle).map(|k| format!("cycle-{k}\n")).collect();
         let listing = (0..=cycle)
