@@ -262,10 +262,7 @@ impl GvisorRuntime {
         else {
             return Ok(());
         };
-        let v1 = Path::new("/sys/fs/cgroup/memory")
-            .join(CGROUP_PARENT)
-            .join(id);
-        let v2 = Path::new("/sys/fs/cgroup").join(CGROUP_PARENT).join(id);
+        let [v1, v2] = memory_cgroup_dirs(id);
         let write = |path: PathBuf| {
             std::fs::write(&path, bytes.to_string())
                 .map_err(|e| RuntimeError::io(format!("raising {}", path.display()), e))
@@ -599,8 +596,7 @@ impl Runtime for GvisorRuntime {
         // The host's memory cgroup of the sandbox counts the OOM kills in it: the Sentry
         // holds the workload's memory (and the overlay's files), so a memory or inode
         // bomb past `memory_mib` ends the whole sandbox there.
-        for root in ["/sys/fs/cgroup/memory", "/sys/fs/cgroup"] {
-            let dir = Path::new(root).join(CGROUP_PARENT).join(id);
+        for dir in memory_cgroup_dirs(id) {
             let kills = std::fs::read_to_string(dir.join("memory.oom_control"))
                 .or_else(|_| std::fs::read_to_string(dir.join("memory.events")))
                 .ok()
@@ -759,19 +755,18 @@ async fn wait_for_processes_gone(needle: &str) -> Result<(), RuntimeError> {
 /// runsc puts the sandbox, its gofer and every process they start there. Empty when the
 /// cgroup does not exist or cannot be read.
 pub fn cgroup_processes(id: &str) -> Vec<i32> {
-    ["/sys/fs/cgroup/memory", "/sys/fs/cgroup"]
+    memory_cgroup_dirs(id)
         .iter()
-        .find_map(|root| {
-            std::fs::read_to_string(
-                Path::new(root)
-                    .join(CGROUP_PARENT)
-                    .join(id)
-                    .join("cgroup.procs"),
-            )
-            .ok()
-        })
+        .find_map(|dir| std::fs::read_to_string(dir.join("cgroup.procs")).ok())
         .map(|t| parse_pids(&t))
         .unwrap_or_default()
+}
+
+/// Where sandbox `id`'s memory cgroup is: in cgroup v1's memory hierarchy, or in the
+/// unified (v2) one.
+fn memory_cgroup_dirs(id: &str) -> [PathBuf; 2] {
+    ["/sys/fs/cgroup/memory", "/sys/fs/cgroup"]
+        .map(|root| Path::new(root).join(CGROUP_PARENT).join(id))
 }
 
 /// The pids of a `cgroup.procs` file, one per line; anything else is skipped.
