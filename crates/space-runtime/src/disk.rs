@@ -435,8 +435,38 @@ pub fn image_bytes(image: &Path) -> Option<u64> {
 
 /// Whether `path` is a mount point of this mount namespace.
 pub fn is_mounted(path: &Path) -> bool {
-    let path = canonical(path);
-    mount_points().contains(&path)
+    match is_mount_root(path) {
+        Some(root) => root,
+        None => mount_points().contains(&canonical(path)),
+    }
+}
+
+/// Whether `path` (its last symlink followed, as [`canonical`] does) is the root of a
+/// mount, from `statx`'s mount-root attribute; `None` where the kernel does not say (before
+/// Linux 5.8) or `statx` fails otherwise. Reading the whole mount table instead cost about
+/// a tenth of the server's CPU in a burst of creates, and grows with the sandboxes: each
+/// has five mounts, and the cost sampler asks about every sandbox's disk every 5 s.
+fn is_mount_root(path: &Path) -> Option<bool> {
+    let c = c_path(path).ok()?;
+    // SAFETY: a zeroed plain-data out-parameter of the right type.
+    let mut st: libc::statx = unsafe { std::mem::zeroed() };
+    // SAFETY: a valid C string and out-parameter; statx writes nothing else.
+    let r = unsafe {
+        libc::statx(
+            libc::AT_FDCWD,
+            c.as_ptr(),
+            libc::AT_NO_AUTOMOUNT,
+            0,
+            &mut st,
+        )
+    };
+    if r != 0 {
+        let e = std::io::Error::last_os_error();
+        // Nothing is mounted where nothing is (a missing path, or a file named as a directory).
+        return matches!(e.raw_os_error(), Some(libc::ENOENT | libc::ENOTDIR)).then_some(false);
+    }
+    let bit = libc::STATX_ATTR_MOUNT_ROOT as u64;
+    (st.stx_attributes_mask & bit != 0).then_some(st.stx_attributes & bit != 0)
 }
 
 /// `path` as the mount table names it: mountinfo has absolute paths without symlinks, and
@@ -491,6 +521,68 @@ mod tests {
         assert_eq!(unescape(r"/plain"), "/plain");
         assert_eq!(unescape(r"/short\04"), r"/short\04");
         assert_eq!(unescape(r"/bad\089"), r"/bad\089");
+    }
+
+    #[test]
+    fn a_mount_point_is_known_as_the_mount_table_knows_it() {
+        // SAFETY: plain syscall.
+        if unsafe { libc::geteuid() } != 0 {
+            eprintln!("skipped: mounting needs root");
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let at = |name: &str| dir.path().join(name);
+        for d in ["tmpfs", "bind", "plain"] {
+            std::fs::create_dir(at(d)).unwrap();
+        }
+        std::fs::write(at("file"), b"x").unwrap();
+        std::os::unix::fs::symlink(at("tmpfs"), at("link")).unwrap();
+        // Whatever way the test ends, nothing stays mounted.
+        struct Unmount(Vec<PathBuf>);
+        impl Drop for Unmount {
+            fn drop(&mut self) {
+                for p in &self.0 {
+                    let _ = umount(p, libc::MNT_DETACH);
+                }
+            }
+        }
+        let _unmount = Unmount(vec![at("bind"), at("tmpfs")]);
+        sys_mount(
+            Some(Path::new("space-test")),
+            &at("tmpfs"),
+            Some("tmpfs"),
+            0,
+            Some("size=64k"),
+        )
+        .unwrap();
+        // A bind of a directory of the same filesystem: same device as its parent.
+        sys_mount(Some(&at("plain")), &at("bind"), None, libc::MS_BIND, None).unwrap();
+        let cases = [
+            ("tmpfs", true),
+            ("bind", true),
+            ("link", true),
+            ("plain", false),
+            ("file", false),
+            ("missing", false),
+            ("file/below", false),
+        ];
+        let check = |mounted: &[&str]| {
+            for (name, _) in cases {
+                let want = mounted.contains(&name);
+                assert_eq!(is_mount_root(&at(name)), Some(want), "{name}");
+                assert_eq!(is_mounted(&at(name)), want, "{name}");
+                assert_eq!(
+                    mount_points().contains(&canonical(&at(name))),
+                    want,
+                    "the mount table on {name}"
+                );
+            }
+        };
+        let mounted: Vec<&str> = cases.iter().filter(|c| c.1).map(|c| c.0).collect();
+        check(&mounted);
+        umount(&at("bind"), 0).unwrap();
+        umount(&at("tmpfs"), 0).unwrap();
+        check(&[]);
     }
 
     #[test]
