@@ -740,7 +740,7 @@ fn is_static_elf(path: &Path) -> anyhow::Result<bool> {
 /// 32. A boot spends much of its time waiting on runsc's own processes handing work to each
 /// other, so fewer creates than that leave CPUs idle in a burst: 16 creates at once, each to
 /// a first result, took 1.05-1.25x raw runsc's time on a 2-core host with 4 slots, and
-/// 0.92-1.14x with 8 (`benches/creates.rs`).
+/// 0.92-1.14x with 8 (hand runs, each beside raw runsc as `benches/creates.rs` runs it).
 fn default_max_concurrent_creates() -> usize {
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
     (4 * cpus).clamp(4, 32)
