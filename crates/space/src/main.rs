@@ -140,8 +140,9 @@ struct ServeArgs {
     /// the server may use, from 4 to 32.
     #[arg(long)]
     max_concurrent_creates: Option<usize>,
-    /// Default vCPUs of a sandbox.
-    #[arg(long, default_value_t = 1)]
+    /// Default vCPUs of a sandbox (E2B's default too). A vCPU is a CPU quota, not a
+    /// reservation: an idle sandbox costs the same either way.
+    #[arg(long, default_value_t = 2)]
     default_vcpus: u32,
     /// Default memory of a sandbox, MiB.
     #[arg(long, default_value_t = 512)]

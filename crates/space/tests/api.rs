@@ -556,21 +556,73 @@ async fn operations_list_wait_and_cancel_a_pending_create() {
     s.assert_nothing_left(sb_cancelled);
 }
 
+/// A sandbox created without `resources` gets the server's defaults (2 vCPUs, as E2B's),
+/// and they are enforced: the CPUs the sandbox sees, and its host CPU quota.
+#[tokio::test]
+async fn default_resources_are_applied() {
+    let s = TestServer::start().await;
+    let sb = s.create_with(json!({"template": "busybox"})).await;
+    let (_, v) = s.get(&format!("/v1/sandboxes/{sb}")).await;
+    assert_eq!(
+        v["resources"],
+        json!({"vcpus": 2, "memory_mib": 512, "disk_mib": 4096, "pids": 1024}),
+        "{v}"
+    );
+    assert_eq!(s.sh(&sb, "nproc").await["stdout"], "2\n");
+    // The quota on the host, where gVisor's is its cgroup's: 2 CPUs' worth of every
+    // period (cgroup v1 or v2).
+    if v["runtime"] == "gvisor" {
+        assert_cpu_quota(&sb, 2);
+    }
+    s.destroy(&sb).await;
+    s.assert_nothing_left(&sb);
+}
+
+/// Asserts that gVisor sandbox `sb`'s host cgroup allows `cpus` CPUs' worth of each period.
+fn assert_cpu_quota(sb: &str, cpus: i64) {
+    let v1 = Path::new("/sys/fs/cgroup/cpu/space").join(sb);
+    let v2 = Path::new("/sys/fs/cgroup/space").join(sb).join("cpu.max");
+    let (quota, period): (i64, i64) = if v1.join("cpu.cfs_quota_us").exists() {
+        let read = |f: &str| {
+            std::fs::read_to_string(v1.join(f))
+                .unwrap()
+                .trim()
+                .parse()
+                .unwrap()
+        };
+        (read("cpu.cfs_quota_us"), read("cpu.cfs_period_us"))
+    } else {
+        let text = std::fs::read_to_string(&v2).unwrap_or_else(|e| panic!("{v2:?}: {e}"));
+        let mut f = text.split_whitespace().map(|n| n.parse().unwrap());
+        (f.next().unwrap(), f.next().unwrap())
+    };
+    assert_eq!(quota, cpus * period, "quota {quota} per period {period}");
+}
+
 #[tokio::test]
 async fn resources_are_applied() {
     let s = TestServer::start().await;
     let sb = s
         .create_with(json!({
             "template": "busybox",
-            "resources": {"vcpus": 2, "memory_mib": 256, "pids": 64}
+            "resources": {"vcpus": 1, "memory_mib": 256, "pids": 64}
         }))
         .await;
     let (_, v) = s.get(&format!("/v1/sandboxes/{sb}")).await;
-    assert_eq!(v["resources"]["vcpus"], 2);
+    // Fewer vCPUs than the default (2), as asked.
+    assert_eq!(v["resources"]["vcpus"], 1);
     assert_eq!(v["resources"]["memory_mib"], 256);
+    // gVisor shows a sandbox at least 2 CPUs whatever its quota (runsc's
+    // `--cpu-num-from-quota` rounds up to 2): the quota is what holds it to 1.
+    let seen = if v["runtime"] == "gvisor" {
+        assert_cpu_quota(&sb, 1);
+        "2"
+    } else {
+        "1"
+    };
     let cmd = s.sh(&sb, "nproc; grep MemTotal /proc/meminfo").await;
     let out = cmd["stdout"].as_str().unwrap();
-    assert!(out.starts_with("2\n"), "{out}");
+    assert!(out.starts_with(&format!("{seen}\n")), "{out}");
     let kib: u64 = out
         .split_whitespace()
         .nth(2)
