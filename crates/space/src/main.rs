@@ -141,7 +141,8 @@ struct ServeArgs {
     #[arg(long)]
     max_concurrent_creates: Option<usize>,
     /// Default vCPUs of a sandbox (E2B's default too). A vCPU is a CPU quota, not a
-    /// reservation: an idle sandbox costs the same either way.
+    /// reservation: an idle gVisor sandbox costs the same either way (it sees at least 2
+    /// CPUs); a TCG microVM's second vCPU costs a little host CPU even idle.
     #[arg(long, default_value_t = 2)]
     default_vcpus: u32,
     /// Default memory of a sandbox, MiB.
