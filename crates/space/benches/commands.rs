@@ -221,8 +221,8 @@ fn main() {
     }
     // Each side's CPU quota (the same bundle's): with the CPU a call costs, the most calls
     // per second either side could make.
-    let ours_quota = rawsc::cgroup_cpu_quota("space", &ours);
-    let raw_quota = rawsc::cgroup_cpu_quota(rawsc::RAW_CGROUP_PARENT, &rid);
+    let ours_quota = common::cgroup_cpu_quota("space", &ours);
+    let raw_quota = common::cgroup_cpu_quota(rawsc::RAW_CGROUP_PARENT, &rid);
     let mut levels = Vec::new();
     for &clients in levels_wanted {
         let calls = CALLS.div_ceil(clients);

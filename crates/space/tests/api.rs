@@ -572,31 +572,15 @@ async fn default_resources_are_applied() {
     // The quota on the host, where gVisor's is its cgroup's: 2 CPUs' worth of every
     // period (cgroup v1 or v2).
     if v["runtime"] == "gvisor" {
-        assert_cpu_quota(&sb, 2);
+        assert_cpu_quota(&sb, 2.0);
     }
     s.destroy(&sb).await;
     s.assert_nothing_left(&sb);
 }
 
 /// Asserts that gVisor sandbox `sb`'s host cgroup allows `cpus` CPUs' worth of each period.
-fn assert_cpu_quota(sb: &str, cpus: i64) {
-    let v1 = Path::new("/sys/fs/cgroup/cpu/space").join(sb);
-    let v2 = Path::new("/sys/fs/cgroup/space").join(sb).join("cpu.max");
-    let (quota, period): (i64, i64) = if v1.join("cpu.cfs_quota_us").exists() {
-        let read = |f: &str| {
-            std::fs::read_to_string(v1.join(f))
-                .unwrap()
-                .trim()
-                .parse()
-                .unwrap()
-        };
-        (read("cpu.cfs_quota_us"), read("cpu.cfs_period_us"))
-    } else {
-        let text = std::fs::read_to_string(&v2).unwrap_or_else(|e| panic!("{v2:?}: {e}"));
-        let mut f = text.split_whitespace().map(|n| n.parse().unwrap());
-        (f.next().unwrap(), f.next().unwrap())
-    };
-    assert_eq!(quota, cpus * period, "quota {quota} per period {period}");
+fn assert_cpu_quota(sb: &str, cpus: f64) {
+    assert_eq!(common::cgroup_cpu_quota("space", sb), Some(cpus), "{sb}");
 }
 
 #[tokio::test]
@@ -615,7 +599,7 @@ async fn resources_are_applied() {
     // gVisor shows a sandbox at least 2 CPUs whatever its quota (runsc's
     // `--cpu-num-from-quota` rounds up to 2): the quota is what holds it to 1.
     let seen = if v["runtime"] == "gvisor" {
-        assert_cpu_quota(&sb, 1);
+        assert_cpu_quota(&sb, 1.0);
         "2"
     } else {
         "1"

@@ -479,28 +479,6 @@ pub fn cgroup_cpu(parent: &str, id: &str) -> Option<Duration> {
         .map(Duration::from_micros)
 }
 
-/// The CPUs the container cgroup `parent/id` may use at most, by its CPU quota (cgroup
-/// v1's `cpu.cfs_quota_us` over `cpu.cfs_period_us`, or v2's `cpu.max`); `None` without one.
-pub fn cgroup_cpu_quota(parent: &str, id: &str) -> Option<f64> {
-    let base = PathBuf::from("/sys/fs/cgroup");
-    let v1 = base.join("cpu").join(parent).join(id);
-    let read = |name: &str| -> Option<f64> {
-        std::fs::read_to_string(v1.join(name))
-            .ok()?
-            .trim()
-            .parse()
-            .ok()
-    };
-    if let (Some(quota), Some(period)) = (read("cpu.cfs_quota_us"), read("cpu.cfs_period_us")) {
-        return (quota > 0.0 && period > 0.0).then(|| quota / period);
-    }
-    let max = std::fs::read_to_string(base.join(parent).join(id).join("cpu.max")).ok()?;
-    let mut fields = max.split_whitespace();
-    let quota: f64 = fields.next()?.parse().ok()?;
-    let period: f64 = fields.next()?.parse().ok()?;
-    (period > 0.0).then(|| quota / period)
-}
-
 /// The `cpuset.cpus` file of the container cgroup `parent/id` (v1's cpuset controller, or
 /// v2's unified tree where the controller is delegated); `None` where there is none.
 fn cpuset_file(parent: &str, id: &str) -> Option<PathBuf> {
