@@ -264,12 +264,13 @@ fn constant_time_eq(a: &str, b: &str) -> bool {
     a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-/// Waits for a connection on `rx`, at most `timeout`.
+/// Waits for a connection on `rx`, at most `timeout`. One that has ended is not taken,
+/// even before the server has let it go: the agent's next one is on its way.
 pub async fn wait_connected(
     rx: &mut watch::Receiver<Option<AgentConn>>,
     timeout: Duration,
 ) -> Result<AgentConn, AgentError> {
-    let wait = rx.wait_for(|c| c.is_some());
+    let wait = rx.wait_for(|c| c.as_ref().is_some_and(|c| !c.is_closed()));
     match tokio::time::timeout(timeout, wait).await {
         Ok(Ok(c)) => c.clone().ok_or(AgentError::NotConnected),
         _ => Err(AgentError::NotConnected),
@@ -290,16 +291,21 @@ pub async fn wait_reconnected(
     }
 }
 
-/// Makes a one-shot call (`call`) on the connection `rx` holds, waiting at most `timeout`
-/// for one; when the connection fails under it in a way `retry` allows
-/// ([`AgentError::may_retry`]), once more on the agent's next connection (at most
+/// Makes a one-shot call (`call`, named `name` in the log) on the connection `rx` holds,
+/// waiting at most `timeout` for one; when the connection fails under it in a way `retry`
+/// allows ([`AgentError::may_retry`]), once more on the agent's next connection (at most
 /// `timeout` again). An agent whose connection broke (its host stalled past its pings,
 /// or a link that dropped) dials again within milliseconds: a caller should not hear
 /// of that. Without a next connection, the first failure is the answer.
+///
+/// The log line of a call made again names the call and whether the first one went out
+/// (`went_out=false`: the connection had ended before it was sent, which any call may
+/// meet just after a break, before the server has taken the connection down).
 pub async fn call_again_on_break<T, F, Fut>(
     rx: &mut watch::Receiver<Option<AgentConn>>,
     timeout: Duration,
     retry: Retry,
+    name: &'static str,
     mut call: F,
 ) -> Result<T, AgentError>
 where
@@ -310,7 +316,8 @@ where
     let generation = conn.generation();
     match call(conn).await {
         Err(e) if e.may_retry(retry) => {
-            tracing::info!(generation, error = %error_chain(&e), "an agent call failed with its connection; making it again on the next one");
+            let went_out = !matches!(e, AgentError::NotSent(_));
+            tracing::info!(generation, call = %name, went_out, error = %error_chain(&e), "an agent call failed with its connection; making it again on the next one");
             match wait_reconnected(rx, generation, timeout).await {
                 Ok(next) => call(next).await,
                 Err(_) => Err(e),
@@ -464,7 +471,7 @@ mod tests {
     ) -> Result<(), AgentError> {
         let (tx, mut rx) = watch::channel(Some(first.clone()));
         redial_after(tx, first, next);
-        call_again_on_break(&mut rx, WAIT, retry, |c| async move {
+        call_again_on_break(&mut rx, WAIT, retry, "signal", |c| async move {
             c.signal("cmd_1", 9).await
         })
         .await
@@ -499,10 +506,28 @@ mod tests {
         let alone = first.signal("cmd_1", 9).await;
         assert!(matches!(alone, Err(AgentError::NotSent(_))), "{alone:?}");
         assert!(alone.unwrap_err().may_retry(Retry::IfNotSent));
+        // One that ended is not taken, though the listener has not let it go yet.
+        let (_tx, mut rx) = watch::channel(Some(first.clone()));
+        let r = wait_connected(&mut rx, Duration::from_millis(300)).await;
+        assert!(matches!(r, Err(AgentError::NotConnected)), "{r:?}");
+
+        // It ends between being taken and the call going out: made on the next one.
+        let (first, first_served_too) = connected(false).await;
         let (next, next_served) = connected(false).await;
-        let r = signal_across(first, next, Retry::IfNotSent).await;
+        let (tx, mut rx) = watch::channel(Some(first.clone()));
+        redial_after(tx, first.clone(), next);
+        let ends = first.generation();
+        let r = call_again_on_break(&mut rx, WAIT, Retry::IfNotSent, "signal", |c| async move {
+            if c.generation() == ends {
+                c.close();
+                c.closed().await;
+            }
+            c.signal("cmd_1", 9).await
+        })
+        .await;
         assert!(r.is_ok(), "{r:?}");
         assert_eq!(first_served.load(AtomicOrdering::SeqCst), 0);
+        assert_eq!(first_served_too.load(AtomicOrdering::SeqCst), 0);
         assert_eq!(next_served.load(AtomicOrdering::SeqCst), 1);
     }
 
@@ -514,6 +539,7 @@ mod tests {
             &mut rx,
             Duration::from_millis(300),
             Retry::Repeatable,
+            "signal",
             |c| async move { c.signal("cmd_1", 9).await },
         )
         .await;

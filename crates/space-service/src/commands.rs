@@ -712,6 +712,7 @@ impl Service {
             &mut rx,
             SPAWN_CONNECT_TIMEOUT,
             Retry::Repeatable,
+            "signal",
             |c| async move { c.signal(id, signal).await },
         )
         .await;

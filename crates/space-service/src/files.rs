@@ -141,13 +141,14 @@ impl Service {
         Ok(handle.agent.subscribe())
     }
 
-    /// Makes `call` on a running sandbox's agent (409 in any other state); once more on
-    /// the agent's next connection when its connection broke under the call and `retry`
-    /// allows that (`agent::call_again_on_break`).
+    /// Makes `call` (named `name` in the log) on a running sandbox's agent (409 in any
+    /// other state); once more on the agent's next connection when its connection broke
+    /// under the call and `retry` allows that (`agent::call_again_on_break`).
     async fn file_call<T, F, Fut>(
         &self,
         sandbox_id: &str,
         retry: Retry,
+        name: &'static str,
         call: F,
     ) -> Result<T, ServiceError>
     where
@@ -155,7 +156,7 @@ impl Service {
         Fut: std::future::Future<Output = Result<T, AgentError>>,
     {
         let mut rx = self.file_agent(sandbox_id)?;
-        agent::call_again_on_break(&mut rx, CONNECT_TIMEOUT, retry, call)
+        agent::call_again_on_break(&mut rx, CONNECT_TIMEOUT, retry, name, call)
             .await
             .map_err(agent_failure)
     }
@@ -172,7 +173,7 @@ impl Service {
         // Its request is made again after a break; once its answer came, a break is the
         // body's error.
         let mut d = self
-            .file_call(sandbox_id, Retry::Repeatable, |c| async move {
+            .file_call(sandbox_id, Retry::Repeatable, "download", |c| async move {
                 c.download(path, format).await
             })
             .await?;
@@ -233,7 +234,7 @@ impl Service {
                 path: dir,
                 ..Default::default()
             };
-            self.file_call(sandbox_id, Retry::Repeatable, |c| async move {
+            self.file_call(sandbox_id, Retry::Repeatable, "mkdir", |c| async move {
                 c.mkdir(req).await
             })
             .await?;
@@ -268,7 +269,7 @@ impl Service {
                 format!("depth must be between 1 and {MAX_DEPTH}"),
             ));
         }
-        self.file_call(sandbox_id, Retry::Repeatable, |c| async move {
+        self.file_call(sandbox_id, Retry::Repeatable, "list", |c| async move {
             c.list_files(path, depth).await
         })
         .await
@@ -280,7 +281,7 @@ impl Service {
         path: &str,
     ) -> Result<FileInfo, ServiceError> {
         check_path("path", path)?;
-        self.file_call(sandbox_id, Retry::Repeatable, |c| async move {
+        self.file_call(sandbox_id, Retry::Repeatable, "stat", |c| async move {
             c.stat(path).await
         })
         .await
@@ -294,7 +295,7 @@ impl Service {
         check_path("path", &req.path)?;
         check_mode(req.mode)?;
         // `mkdir -p`: made twice, the same.
-        self.file_call(sandbox_id, Retry::Repeatable, |c| async move {
+        self.file_call(sandbox_id, Retry::Repeatable, "mkdir", |c| async move {
             c.mkdir(req).await
         })
         .await
@@ -308,7 +309,7 @@ impl Service {
         check_path("from", &req.from)?;
         check_path("to", &req.to)?;
         // Made again after it was done, a rename would answer "not found".
-        self.file_call(sandbox_id, Retry::IfNotSent, |c| async move {
+        self.file_call(sandbox_id, Retry::IfNotSent, "move", |c| async move {
             c.move_file(req).await
         })
         .await
@@ -328,7 +329,7 @@ impl Service {
             ));
         }
         // Made again after it was done, a removal would answer "not found".
-        self.file_call(sandbox_id, Retry::IfNotSent, |c| async move {
+        self.file_call(sandbox_id, Retry::IfNotSent, "remove", |c| async move {
             c.remove(path, recursive).await
         })
         .await

@@ -126,6 +126,7 @@ pub(crate) async fn write_hosts(
         rx,
         super::files::CONNECT_TIMEOUT,
         Retry::Repeatable,
+        "hosts",
         |conn| async move { add_hosts(&conn, lines).await },
     )
     .await
