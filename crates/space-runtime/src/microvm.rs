@@ -434,7 +434,15 @@ impl MicrovmRuntime {
         let start = Instant::now();
         let mut backoff = Backoff::new(Duration::from_millis(5), Duration::from_millis(100));
         loop {
-            let status = query_status(qmp).await.map_err(|e| qmp_failed(id, e))?;
+            let status = match query_status(qmp).await {
+                Ok(status) => status,
+                // A starved monitor (see `wait_agent_open`): `timeout` decides.
+                Err(QmpError::Timeout(_)) if start.elapsed() <= timeout => {
+                    tracing::info!(sandbox = %id, "QMP did not answer in time; asking again");
+                    continue;
+                }
+                Err(e) => return Err(qmp_failed(id, e)),
+            };
             if want.contains(&status.as_str()) {
                 return Ok(status);
             }
@@ -1064,8 +1072,18 @@ async fn wait_agent_open(
     let start = Instant::now();
     let mut backoff = Backoff::polling();
     loop {
-        if agent_port_open(qmp).await? {
-            return Ok(None);
+        match agent_port_open(qmp).await {
+            Ok(true) => return Ok(None),
+            Ok(false) => {}
+            // The monitor shares QEMU's main loop with the guest's devices: a TCG guest on
+            // a loaded or stalled host can keep it from answering past one exchange's bound
+            // while its boot goes on (one CI run here: one of the host's CPUs stuck for
+            // 31 s, and two booting microVMs failed on this). The bounds below decide; the
+            // session skips the late reply.
+            Err(QmpError::Timeout(t)) => {
+                tracing::info!(waited = ?start.elapsed(), "QMP did not answer within {t:?} while the guest boots; asking again");
+            }
+            Err(e) => return Err(e),
         }
         let idle = activity.as_mut().map_or(Duration::ZERO, |a| a.idle_for());
         if idle >= BOOT_IDLE_LIMIT {

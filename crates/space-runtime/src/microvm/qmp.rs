@@ -1,6 +1,10 @@
 //! A small QMP (QEMU Machine Protocol) client: the greeting, `qmp_capabilities`, then one
 //! command at a time, each tagged with an id. Events that arrive in between are skipped.
 //!
+//! A command that timed out leaves the session usable: its late reply is skipped by its
+//! id, and a line cut off by the timeout is finished by the next read. QEMU's monitor runs
+//! in its main loop, which a TCG guest on a loaded host can starve for seconds.
+//!
 //! QEMU runs the guest, so what it says is treated as untrusted-ish input: every line is
 //! bounded ([`MAX_LINE`]), every read has a deadline, and a reply must carry the id asked for.
 
@@ -50,6 +54,8 @@ pub struct Qmp {
     next_id: u64,
     timeout: Duration,
     events: std::collections::VecDeque<Value>,
+    /// The start of a line whose read was cut off (a timeout): the next read goes on.
+    partial: Vec<u8>,
 }
 
 impl Qmp {
@@ -70,6 +76,7 @@ impl Qmp {
             next_id: 1,
             timeout,
             events: std::collections::VecDeque::new(),
+            partial: Vec::new(),
         };
         let greeting = qmp.read_message().await?;
         if greeting.get("QMP").is_none() {
@@ -106,9 +113,12 @@ impl Qmp {
                 self.keep_event(reply);
                 continue;
             }
-            if reply.get("id").and_then(Value::as_u64) != Some(id) {
+            match reply.get("id").and_then(Value::as_u64) {
+                Some(i) if i == id => {}
+                // The late reply of an earlier command of ours, which timed out.
+                Some(i) if i < id => continue,
                 // A reply to someone else's command cannot happen on our own connection.
-                return Err(QmpError::Invalid(format!("reply without our id {id}")));
+                _ => return Err(QmpError::Invalid(format!("reply without our id {id}"))),
             }
             if let Some(ret) = reply.get("return") {
                 return Ok(ret.clone());
@@ -154,7 +164,8 @@ impl Qmp {
     /// Reads one newline-terminated JSON object, at most [`MAX_LINE`] bytes.
     async fn read_message(&mut self) -> Result<Value, QmpError> {
         let timeout = self.timeout;
-        let line = tokio::time::timeout(timeout, read_bounded_line(&mut self.reader))
+        let read = read_bounded_line(&mut self.reader, &mut self.partial);
+        let line = tokio::time::timeout(timeout, read)
             .await
             .map_err(|_| QmpError::Timeout(timeout))??;
         let value: Value =
@@ -166,11 +177,13 @@ impl Qmp {
     }
 }
 
-/// One line without its newline; never buffers more than [`MAX_LINE`] bytes.
+/// One line without its newline; never buffers more than [`MAX_LINE`] bytes. The line is
+/// gathered in `line`, so a read that is cut off (dropped) loses nothing: the next call
+/// with the same `line` goes on from where it stopped.
 async fn read_bounded_line<R: tokio::io::AsyncBufRead + Unpin>(
     reader: &mut R,
+    line: &mut Vec<u8>,
 ) -> Result<Vec<u8>, QmpError> {
-    let mut line = Vec::new();
     loop {
         let buf = reader.fill_buf().await.map_err(|source| QmpError::Io {
             context: "reading",
@@ -184,6 +197,7 @@ async fn read_bounded_line<R: tokio::io::AsyncBufRead + Unpin>(
             None => (buf.len(), false),
         };
         if line.len() + take > MAX_LINE + 1 {
+            line.clear();
             return Err(QmpError::TooLong);
         }
         line.extend_from_slice(&buf[..take]);
@@ -193,7 +207,7 @@ async fn read_bounded_line<R: tokio::io::AsyncBufRead + Unpin>(
             if line.last() == Some(&b'\r') {
                 line.pop();
             }
-            return Ok(line);
+            return Ok(std::mem::take(line));
         }
     }
 }
@@ -204,17 +218,22 @@ mod tests {
 
     #[tokio::test]
     async fn lines_are_bounded() {
+        let mut line = Vec::new();
         let mut ok: &[u8] = b"{\"a\":1}\r\nrest";
-        assert_eq!(read_bounded_line(&mut ok).await.unwrap(), b"{\"a\":1}");
+        assert_eq!(
+            read_bounded_line(&mut ok, &mut line).await.unwrap(),
+            b"{\"a\":1}"
+        );
+        assert!(line.is_empty());
         let long = vec![b'x'; MAX_LINE + 10];
         let mut r: &[u8] = &long;
         assert!(matches!(
-            read_bounded_line(&mut r).await,
+            read_bounded_line(&mut r, &mut line).await,
             Err(QmpError::TooLong)
         ));
         let mut eof: &[u8] = b"{\"partial\"";
         assert!(matches!(
-            read_bounded_line(&mut eof).await,
+            read_bounded_line(&mut eof, &mut Vec::new()).await,
             Err(QmpError::Closed)
         ));
     }
@@ -259,6 +278,49 @@ mod tests {
         assert_eq!(status["status"], "paused");
         let err = qmp.execute("cont", None).await.unwrap_err();
         assert!(err.to_string().contains("GenericError: no"), "{err}");
+        server.await.unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_command_that_timed_out_leaves_the_session_usable() {
+        let dir = std::env::temp_dir().join(format!("qmp-late-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("q.sock");
+        let _ = std::fs::remove_file(&path);
+        let listener = tokio::net::UnixListener::bind(&path).unwrap();
+        let server = tokio::spawn(async move {
+            let (s, _) = listener.accept().await.unwrap();
+            let (r, mut w) = s.into_split();
+            let mut r = BufReader::new(r);
+            w.write_all(b"{\"QMP\": {}}\n").await.unwrap();
+            let mut line = String::new();
+            r.read_line(&mut line).await.unwrap();
+            w.write_all(b"{\"return\": {}, \"id\": 1}\n").await.unwrap();
+            line.clear();
+            r.read_line(&mut line).await.unwrap();
+            assert!(line.contains("query-chardev"), "{line}");
+            // Half of the reply, then a stall past the client's bound (a starved main
+            // loop), then the rest of it.
+            w.write_all(b"{\"return\": [], ").await.unwrap();
+            tokio::time::sleep(Duration::from_millis(600)).await;
+            w.write_all(b"\"id\": 2}\n").await.unwrap();
+            line.clear();
+            r.read_line(&mut line).await.unwrap();
+            assert!(line.contains("query-status"), "{line}");
+            w.write_all(b"{\"return\": {\"status\": \"running\"}, \"id\": 3}\n")
+                .await
+                .unwrap();
+        });
+        let mut qmp = Qmp::connect(&path, Duration::from_millis(300))
+            .await
+            .unwrap();
+        let late = qmp.execute("query-chardev", None).await;
+        assert!(matches!(late, Err(QmpError::Timeout(_))), "{late:?}");
+        // Its reply, finished late, is passed over for the next command's.
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        let status = qmp.execute("query-status", None).await.unwrap();
+        assert_eq!(status["status"], "running");
         server.await.unwrap();
         std::fs::remove_dir_all(&dir).unwrap();
     }
