@@ -215,6 +215,7 @@ async fn read_bounded_line<R: tokio::io::AsyncBufRead + Unpin>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::path::PathBuf;
 
     #[tokio::test]
     async fn lines_are_bounded() {
@@ -238,25 +239,41 @@ mod tests {
         ));
     }
 
-    #[tokio::test]
-    async fn a_session_skips_events_and_matches_ids() {
-        let dir = std::env::temp_dir().join(format!("qmp-test-{}", std::process::id()));
+    /// A socket for a fake QEMU, in a directory of its own: the directory, the socket's
+    /// path and its listener.
+    fn fake_qemu(name: &str) -> (PathBuf, PathBuf, tokio::net::UnixListener) {
+        let dir = std::env::temp_dir().join(format!("qmp-{name}-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("q.sock");
         let _ = std::fs::remove_file(&path);
         let listener = tokio::net::UnixListener::bind(&path).unwrap();
+        (dir, path, listener)
+    }
+
+    /// The fake QEMU's side of a session's start: accepts the client, greets it and answers
+    /// its `qmp_capabilities` (id 1).
+    async fn greet(
+        listener: tokio::net::UnixListener,
+    ) -> (BufReader<OwnedReadHalf>, OwnedWriteHalf) {
+        let (s, _) = listener.accept().await.unwrap();
+        let (r, mut w) = s.into_split();
+        let mut r = BufReader::new(r);
+        w.write_all(b"{\"QMP\": {\"version\": {}, \"capabilities\": []}}\n")
+            .await
+            .unwrap();
+        let mut line = String::new();
+        r.read_line(&mut line).await.unwrap();
+        assert!(line.contains("qmp_capabilities"), "{line}");
+        w.write_all(b"{\"return\": {}, \"id\": 1}\n").await.unwrap();
+        (r, w)
+    }
+
+    #[tokio::test]
+    async fn a_session_skips_events_and_matches_ids() {
+        let (dir, path, listener) = fake_qemu("ids");
         let server = tokio::spawn(async move {
-            let (s, _) = listener.accept().await.unwrap();
-            let (r, mut w) = s.into_split();
-            let mut r = BufReader::new(r);
-            w.write_all(b"{\"QMP\": {\"version\": {}, \"capabilities\": []}}\n")
-                .await
-                .unwrap();
+            let (mut r, mut w) = greet(listener).await;
             let mut line = String::new();
-            r.read_line(&mut line).await.unwrap();
-            assert!(line.contains("qmp_capabilities"));
-            w.write_all(b"{\"return\": {}, \"id\": 1}\n").await.unwrap();
-            line.clear();
             r.read_line(&mut line).await.unwrap();
             assert!(line.contains("query-status"));
             w.write_all(b"{\"event\": \"STOP\", \"data\": {}}\n")
@@ -284,20 +301,10 @@ mod tests {
 
     #[tokio::test]
     async fn a_command_that_timed_out_leaves_the_session_usable() {
-        let dir = std::env::temp_dir().join(format!("qmp-late-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("q.sock");
-        let _ = std::fs::remove_file(&path);
-        let listener = tokio::net::UnixListener::bind(&path).unwrap();
+        let (dir, path, listener) = fake_qemu("late");
         let server = tokio::spawn(async move {
-            let (s, _) = listener.accept().await.unwrap();
-            let (r, mut w) = s.into_split();
-            let mut r = BufReader::new(r);
-            w.write_all(b"{\"QMP\": {}}\n").await.unwrap();
+            let (mut r, mut w) = greet(listener).await;
             let mut line = String::new();
-            r.read_line(&mut line).await.unwrap();
-            w.write_all(b"{\"return\": {}, \"id\": 1}\n").await.unwrap();
-            line.clear();
             r.read_line(&mut line).await.unwrap();
             assert!(line.contains("query-chardev"), "{line}");
             // Half of the reply, then a stall past the client's bound (a starved main
